@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Sets up everything tfdist needs on a fresh machine, and does nothing the second time.
+#
+#   scripts/setup.sh                 # CPU build of TensorFlow
+#   TF_BUILD=gpu scripts/setup.sh    # tensorflow[and-cuda]: CUDA and cuDNN come from pip
+#
+# The Makefile runs it; `make setup` is the usual way in.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+TF_BUILD="${TF_BUILD:-cpu}"
+VENV=.venv
+
+case "$TF_BUILD" in
+  cpu|gpu) ;;
+  *) echo "setup: TF_BUILD must be 'cpu' or 'gpu'. Received: TF_BUILD=$TF_BUILD" >&2; exit 2 ;;
+esac
+
+# Open MPI runs the Horovod adapter's processes (mpirun). Installed from the
+# distribution's packages, once.
+if ! command -v mpirun >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Open MPI (openmpi-bin, libopenmpi-dev) with apt-get"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+  else
+    echo "setup: Open MPI not found; install it (Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev)." \
+         "Everything but the Horovod adapter works without it." >&2
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV with $("$PYTHON" --version)"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+
+echo "setup: installing tfdist[$TF_BUILD,test] into $VENV"
+"$VENV/bin/python" -m pip install -q -e ".[$TF_BUILD,test]"
+"$VENV/bin/python" -c "import tensorflow as tf, keras; print(f'setup: TensorFlow {tf.__version__}, Keras {keras.__version__}')"

@@ -1,0 +1,102 @@
+"""Cluster detection reads what real launchers set: TF_CONFIG, Slurm, MPI, TPU."""
+
+import json
+
+import pytest
+
+from tfdist.cluster import ClusterInfo, detect_cluster, parse_tf_config
+from tfdist.errors import ConfigError
+
+
+def detect(env, **kwargs):
+    return detect_cluster(env, probe_gpus=False, **kwargs)
+
+
+def test_empty_environment():
+    info = detect({}, dev_dir="/nonexistent")
+    assert (info.tf_config, info.slurm, info.mpi, info.tpu) == (None, None, None, None)
+    assert info.cpu_cores >= 1
+
+
+def test_kubeflow_tfjob_tf_config():
+    # The format Kubeflow's training operator sets for a TFJob with a chief and 2 workers.
+    tf_config = {
+        "cluster": {"chief": ["train-chief-0.ns.svc:2222"],
+                    "worker": ["train-worker-0.ns.svc:2222", "train-worker-1.ns.svc:2222"]},
+        "task": {"type": "worker", "index": 1},
+        "environment": "cloud",
+    }
+    info = detect({"TF_CONFIG": json.dumps(tf_config)})
+    assert info.tf_config.task_type == "worker"
+    assert info.tf_config.task_index == 1
+    assert info.tf_config.num_workers == 3
+    assert not info.tf_config.is_chief
+
+
+def test_worker_zero_is_chief_without_a_chief_task():
+    info = parse_tf_config(json.dumps({"cluster": {"worker": ["a:1", "b:2"]},
+                                       "task": {"type": "worker", "index": 0}}))
+    assert info.is_chief
+
+
+def test_slurm_variables():
+    env = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+           "SLURM_JOB_NODELIST": "node[01-02]"}
+    assert detect(env).slurm.__dict__ == {"job_id": "77", "proc_id": 3, "num_tasks": 4,
+                                          "local_id": 1, "node_list": "node[01-02]"}
+
+
+@pytest.mark.parametrize("env, launcher", [
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, "openmpi"),
+    ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1",
+      "HOROVOD_LOCAL_SIZE": "2"}, "horovodrun"),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, "mpich"),
+])
+def test_mpi_ranks(env, launcher):
+    mpi = detect(env).mpi
+    assert (mpi.rank, mpi.size, mpi.local_rank, mpi.local_size, mpi.launcher) == (1, 2, 1, 2, launcher)
+
+
+def test_tpu_sources(tmp_path):
+    assert detect({"TPU_NAME": "my-tpu"}).tpu.name == "my-tpu"
+    assert detect({"COLAB_TPU_ADDR": "10.0.0.2:8470"}).tpu.name == "grpc://10.0.0.2:8470"
+    (tmp_path / "accel0").touch()
+    assert detect({}, dev_dir=str(tmp_path)).tpu.name == "local"
+
+
+def test_cpu_bf16_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
+    assert detect({}, cpuinfo_path=str(cpuinfo)).cpu_bf16
+    cpuinfo.write_text("processor: 0\nflags\t\t: fpu sse avx2\n")
+    assert not detect({}, cpuinfo_path=str(cpuinfo)).cpu_bf16
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('{"cluster": ', "not valid JSON"),
+    ('{"task": {"type": "worker", "index": 0}}', "non-empty \"cluster\""),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 2}}',
+     "index 2 is out of range"),
+    ('{"cluster": {"chief": ["a:1", "b:2"]}, "task": {"type": "chief", "index": 0}}',
+     "more than one chief"),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}}', "not in the cluster"),
+    ('{"cluster": {"boss": ["a:1"]}, "task": {"type": "boss", "index": 0}}', "unknown task type"),
+    ('{"cluster": {"worker": ["a"]}, "task": {"type": "worker", "index": 0}}', "host:port"),
+    ('{"cluster": {"worker": ["a:1"]}}', "needs \"task\""),
+])
+def test_malformed_tf_config(text, fragment):
+    with pytest.raises(ConfigError, match=fragment) as raised:
+        detect({"TF_CONFIG": text})
+    assert "\n" not in str(raised.value)
+
+
+def test_malformed_launcher_variable():
+    with pytest.raises(ConfigError, match="OMPI_COMM_WORLD_RANK must be an integer"):
+        detect({"OMPI_COMM_WORLD_RANK": "one", "OMPI_COMM_WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match=r"must be in \[0, OMPI_COMM_WORLD_SIZE\)"):
+        detect({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2"})
+
+
+def test_real_process_environment_is_read():
+    assert isinstance(detect_cluster(), ClusterInfo)

@@ -1,0 +1,115 @@
+"""Config loading: precedence, strictness, resolution of spellings, round trips."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+from tfdist.config import (Config, CrossDeviceOps, Precision, Strategy, config_keys,
+                           field_help, load_config)
+from tfdist.errors import ConfigError
+from tests.conftest import REPO
+
+
+def test_defaults():
+    config = load_config()
+    assert config.strategy is Strategy.AUTO
+    assert config.precision is None
+    assert config.accumulation_steps == 1
+    assert config.mirrored.cpu_replicas == 0
+    assert config.seed is None
+
+
+def test_precedence_defaults_then_file_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("strategy: one_device\nseed: 3\nmirrored:\n  cpu_replicas: 2\n"
+                    "train:\n  epochs: 7\n")
+    config = load_config(path, overrides={"seed": 4, "mirrored.cpu_replicas": 3})
+    assert config.strategy is Strategy.ONE_DEVICE  # from the file
+    assert config.train.epochs == 7                # from the file
+    assert config.seed == 4                        # override wins over the file
+    assert config.mirrored.cpu_replicas == 3       # dotted override reaches a nested field
+    assert config.train.global_batch_size == 64    # default kept
+
+
+def test_override_can_name_a_whole_section_and_merges_into_it(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("mirrored:\n  cross_device_ops: reduce_to_one\n")
+    config = load_config(path, overrides={"mirrored": {"cpu_replicas": 2}})
+    assert config.mirrored.cross_device_ops is CrossDeviceOps.REDUCE_TO_ONE
+    assert config.mirrored.cpu_replicas == 2
+
+
+@pytest.mark.parametrize("spelling, expected", [
+    ("mirrored", Strategy.MIRRORED), ("Mirrored", Strategy.MIRRORED),
+    ("mirror", Strategy.MIRRORED), ("ps", Strategy.PARAMETER_SERVER),
+    ("hvd", Strategy.HOROVOD), (Strategy.TPU, Strategy.TPU),
+])
+def test_strategy_spellings(spelling, expected):
+    assert load_config(overrides={"strategy": spelling}).strategy is expected
+
+
+@pytest.mark.parametrize("spelling, expected", [
+    ("bf16", Precision.MIXED_BFLOAT16), ("bf16-mixed", Precision.MIXED_BFLOAT16),
+    ("fp16", Precision.MIXED_FLOAT16), ("16-mixed", Precision.MIXED_FLOAT16),
+    ("fp32", Precision.FLOAT32), ("32", Precision.FLOAT32), ("AUTO", Precision.AUTO),
+])
+def test_precision_aliases(spelling, expected):
+    assert load_config(overrides={"precision": spelling}).precision is expected
+
+
+def test_direct_construction_is_coerced_and_validated():
+    config = Config(strategy="mirrored", mirrored={"cpu_replicas": 2})
+    assert config.strategy is Strategy.MIRRORED
+    assert config.mirrored.cpu_replicas == 2
+    with pytest.raises(ConfigError, match="accumulation_steps"):
+        dataclasses.replace(config, accumulation_steps=0)
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        load_config().strategy = Strategy.TPU
+
+
+def test_yaml_round_trip():
+    config = load_config(overrides={"strategy": "mirrored", "precision": "bf16",
+                                    "mirrored.devices": ["/gpu:0", "/gpu:1"], "seed": 5})
+    assert load_config(overrides=yaml.safe_load(config.to_yaml())) == config
+
+
+@pytest.mark.parametrize("preset", sorted((REPO / "strategies").glob("*.yaml")),
+                         ids=lambda path: path.stem)
+def test_every_preset_loads_and_names_its_strategy(preset):
+    config = load_config(preset)
+    assert config.strategy.value == preset.stem
+
+
+def test_one_preset_per_strategy():
+    assert {p.stem for p in (REPO / "strategies").glob("*.yaml")} == {s.value for s in Strategy}
+
+
+def test_unknown_key_suggests_the_closest_across_sections():
+    with pytest.raises(ConfigError, match="did you mean 'train.epochs'"):
+        load_config(overrides={"epochs": 3})
+
+
+def test_int_fields_reject_bools_and_floats():
+    with pytest.raises(ConfigError, match="must be an integer"):
+        load_config(overrides={"accumulation_steps": True})
+    with pytest.raises(ConfigError, match="must be an integer"):
+        load_config(overrides={"train.epochs": 2.5})
+
+
+def test_float_fields_accept_ints():
+    assert load_config(overrides={"train.learning_rate": 1}).train.learning_rate == 1.0
+
+
+def test_empty_file_is_the_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(path) == load_config()
+
+
+def test_every_key_has_help():
+    for key in config_keys():
+        assert field_help(key), key

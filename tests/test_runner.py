@@ -1,0 +1,91 @@
+"""The Runner: auto choice, scope, datasets, threads, the resolved config."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+
+from tfdist.cluster import ClusterInfo, GpuInfo, MpiInfo, SlurmInfo, TpuInfo, parse_tf_config
+from tfdist.config import Strategy, load_config
+from tfdist.errors import ConfigError
+from tfdist.runner import Runner, choose_strategy
+
+
+@pytest.mark.parametrize("cluster, expected", [
+    (ClusterInfo(), Strategy.ONE_DEVICE),
+    (ClusterInfo(gpus=(GpuInfo("A100", (8, 0)),)), Strategy.ONE_DEVICE),
+    (ClusterInfo(gpus=(GpuInfo("A100", (8, 0)),) * 4), Strategy.MIRRORED),
+    (ClusterInfo(tpu=TpuInfo("local", "TPU VM")), Strategy.TPU),
+    (ClusterInfo(tf_config=parse_tf_config(
+        '{"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 0}}')),
+     Strategy.MULTI_WORKER),
+    (ClusterInfo(tf_config=parse_tf_config(
+        '{"cluster": {"chief": ["c:0"], "worker": ["a:1"], "ps": ["p:2"]},'
+        ' "task": {"type": "ps", "index": 0}}')), Strategy.PARAMETER_SERVER),
+    (ClusterInfo(mpi=MpiInfo(0, 2, 0, 2, "openmpi")), Strategy.HOROVOD),
+    (ClusterInfo(slurm=SlurmInfo("1", 0, 4, 0, "n[1-4]")), Strategy.MULTI_WORKER),
+])
+def test_auto_choice(cluster, expected):
+    strategy, reason = choose_strategy(cluster)
+    assert strategy is expected
+    assert reason
+
+
+def test_auto_on_this_machine_resolves_to_a_concrete_strategy():
+    runner = Runner(load_config(overrides={"strategy": "auto"}), cluster=ClusterInfo())
+    assert runner.strategy_name is Strategy.ONE_DEVICE
+    assert runner.config.strategy is Strategy.ONE_DEVICE
+    assert runner.num_replicas == 1 and runner.is_chief
+
+
+def test_save_config_writes_the_resolved_config(tmp_path):
+    runner = Runner(load_config(overrides={"strategy": "auto", "precision": "auto"}),
+                    cluster=ClusterInfo(cpu_bf16=True))
+    path = runner.save_config(tmp_path / "run")
+    written = yaml.safe_load(open(path))
+    assert written["strategy"] == "one_device"
+    assert written["precision"] == "mixed_bfloat16"
+    assert load_config(path) == runner.config
+    assert not list((tmp_path / "run").glob(".config.yaml.*"))  # no temporary left behind
+
+
+def test_dataset_from_a_function_of_input_context():
+    runner = Runner(load_config(overrides={"strategy": "mirrored", "mirrored.cpu_replicas": 2}))
+    seen = []
+
+    def make(context):
+        seen.append((context.num_input_pipelines, context.num_replicas_in_sync))
+        return tf.data.Dataset.range(8)
+
+    batches = runner.dataset(make, global_batch_size=4)
+    batch = next(iter(runner.strategy.experimental_distribute_dataset(batches)))  # as Keras does
+    parts = [t.numpy().tolist() for t in runner.strategy.experimental_local_results(batch)]
+    assert parts == [[0, 1], [2, 3]]
+    assert seen == [(1, 2)]
+
+
+def test_dataset_rejects_what_is_not_a_dataset():
+    runner = Runner(load_config(overrides={"strategy": "one_device"}))
+    with pytest.raises(ConfigError, match="needs a tf.data.Dataset"):
+        runner.dataset(np.zeros(4), global_batch_size=2)
+    with pytest.raises(ConfigError, match="must return a tf.data.Dataset"):
+        runner.dataset(lambda context: [1, 2], global_batch_size=2)
+
+
+def test_optimizer_accepts_keras_identifiers_and_rejects_others():
+    runner = Runner(load_config(overrides={"strategy": "one_device"}))
+    assert type(runner.optimizer("adam")).__name__ == "Adam"
+    with pytest.raises(ConfigError, match="needs a Keras optimizer"):
+        runner.optimizer("not-an-optimizer")
+
+
+def test_threads_after_the_runtime_started_is_a_clear_error():
+    tf.constant(1.0) + 1.0  # The runtime is running.
+    current = tf.config.threading.get_inter_op_parallelism_threads()
+    with pytest.raises(ConfigError, match="threads.inter_op=.*runtime has already started"):
+        Runner(load_config(overrides={"strategy": "one_device", "threads.inter_op": current + 3}))
+
+
+def test_accumulation_is_refused_until_it_exists():
+    with pytest.raises(ConfigError, match="accumulation_steps > 1 is not available yet"):
+        Runner(load_config(overrides={"strategy": "one_device", "accumulation_steps": 4}))

@@ -1,0 +1,34 @@
+"""tfdist: one config picks how a Keras 3 model trains across devices and machines.
+
+Example:
+
+    import keras, tfdist
+
+    runner = tfdist.Runner(tfdist.load_config("strategies/mirrored.yaml"))
+    with runner.scope():
+        model = build_model()
+        model.compile(optimizer=runner.optimizer(keras.optimizers.Adam(1e-3)),
+                      loss="sparse_categorical_crossentropy")
+    model.fit(runner.dataset(ds, global_batch_size=256), epochs=5,
+              callbacks=runner.callbacks())
+"""
+
+from tfdist.cluster import ClusterInfo, detect_cluster
+from tfdist.config import Config, Precision, Strategy, load_config
+from tfdist.errors import ConfigError
+from tfdist.precision import PrecisionPolicy
+from tfdist.runner import Runner
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterInfo",
+    "Config",
+    "ConfigError",
+    "Precision",
+    "PrecisionPolicy",
+    "Runner",
+    "Strategy",
+    "detect_cluster",
+    "load_config",
+]

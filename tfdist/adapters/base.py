@@ -1,0 +1,147 @@
+"""The small base class every strategy adapter stands on.
+
+An adapter turns a `Config` and a `ClusterInfo` into one `tf.distribute`
+strategy, and supplies what `model.fit` needs under it: input distribution,
+an optimizer wrapper, callbacks. Subclasses implement `create_strategy` and
+override only what differs. Adapters never import each other.
+
+Example:
+
+    class OneDeviceAdapter(Adapter):
+        def create_strategy(self):
+            return tf.distribute.OneDeviceStrategy("/cpu:0")
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from typing import Any, Callable, Union
+
+import tensorflow as tf
+
+from tfdist.cluster import ClusterInfo
+from tfdist.config import Config
+from tfdist.errors import ConfigError
+
+DatasetSource = Union[tf.data.Dataset, Callable[[tf.distribute.InputContext], tf.data.Dataset]]
+
+
+class Adapter(abc.ABC):
+    """Builds one strategy and adapts Keras `model.fit` to it.
+
+    Args:
+        config: The validated run config.
+        cluster: What `tfdist.cluster.detect_cluster` found.
+    """
+
+    def __init__(self, config: Config, cluster: ClusterInfo):
+        self.config = config
+        self.cluster = cluster
+
+    @abc.abstractmethod
+    def create_strategy(self) -> tf.distribute.Strategy:
+        """Creates the strategy. Called once, by `strategy`."""
+
+    @functools.cached_property
+    def strategy(self) -> tf.distribute.Strategy:
+        """The strategy, created on first use."""
+        return self.create_strategy()
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process does the run's single-writer work (logs, files)."""
+        return True
+
+    def distribute_dataset(self, source: DatasetSource, global_batch_size: int, *,
+                           drop_remainder: bool = True) -> Any:
+        """Batches unbatched data so step i consumes the same examples under every strategy.
+
+        Args:
+            source: An unbatched `tf.data.Dataset`, or a function of
+                `tf.distribute.InputContext` returning one (called once per input
+                pipeline, with the context TensorFlow would give it; it may shard by
+                `input_pipeline_id`).
+            global_batch_size: Examples per step across all replicas.
+            drop_remainder: Drop a final partial batch. Keras weights each replica's
+                mean loss equally, so a partial batch split unevenly across replicas
+                would give a gradient other than the batch mean.
+
+        Returns:
+            A dataset of global batches; Keras splits each across the replicas in
+            order, so replica r of step i gets the r-th slice of one_device's batch i.
+
+        Raises:
+            ConfigError: the batch does not divide across replicas, or the source
+                is not a dataset.
+        """
+        replicas = self.strategy.num_replicas_in_sync
+        check_global_batch_size(global_batch_size, replicas)
+        if isinstance(source, tf.data.Dataset):
+            dataset = source
+        elif callable(source):
+            # One process feeds every replica, so there is one input pipeline. The
+            # function gets the context `distribute_datasets_from_function` would give
+            # it, but the result is batched globally, as a plain dataset: TensorFlow
+            # counts a from-function dataset's cardinality in per-replica batches, and
+            # Keras 3 takes that count as steps per epoch. With 2 replicas it then runs
+            # one step past the data each epoch, and that step still increments
+            # `optimizer.iterations`, which shifts Adam's bias correction and every
+            # learning-rate schedule (the symptom of tensorflow/tensorflow#30636).
+            dataset = source(tf.distribute.InputContext(
+                num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=replicas))
+            if not isinstance(dataset, tf.data.Dataset):
+                raise ConfigError("the dataset function must return a tf.data.Dataset. "
+                                  f"Received: {type(dataset).__name__}")
+        else:
+            raise ConfigError("runner.dataset needs a tf.data.Dataset or a function of "
+                              "tf.distribute.InputContext returning one. "
+                              f"Received: {type(source).__name__}")
+        return dataset.batch(global_batch_size, drop_remainder=drop_remainder).prefetch(
+            tf.data.AUTOTUNE)
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        """Returns the optimizer this strategy trains with. The base keeps it as it is."""
+        return optimizer
+
+    def callbacks(self) -> list[Any]:
+        """Keras callbacks this strategy needs in `model.fit`. The base needs none."""
+        return []
+
+
+def check_global_batch_size(global_batch_size: Any, replicas: int) -> None:
+    """Raises ConfigError unless the global batch is a positive multiple of the replicas."""
+    if not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) \
+            or global_batch_size < 1:
+        raise ConfigError("global_batch_size must be an integer >= 1. "
+                          f"Received: global_batch_size={global_batch_size!r}")
+    if global_batch_size % replicas:
+        nearest = max(replicas, round(global_batch_size / replicas) * replicas)
+        raise ConfigError(f"global_batch_size {global_batch_size} does not divide across "
+                          f"{replicas} replicas; use a multiple of {replicas} (e.g. {nearest}). "
+                          f"Received: global_batch_size={global_batch_size}, "
+                          f"replicas={replicas}")
+
+
+def check_device(device: str, cluster: ClusterInfo, key: str) -> str:
+    """Returns the device string if this machine has it; else raises ConfigError.
+
+    Args:
+        device: A TensorFlow device string such as '/gpu:1' or '/cpu:0'.
+        cluster: Detected facts (the GPU count).
+        key: The config key, for the message.
+    """
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except ValueError:
+        raise ConfigError(f"{key} must be a device such as '/cpu:0' or '/gpu:1'. "
+                          f"Received: {key}={device!r}") from None
+    kind = (spec.device_type or "").upper()
+    if kind not in ("CPU", "GPU"):
+        raise ConfigError(f"{key} must name a CPU or GPU device, such as '/gpu:0'. "
+                          f"Received: {key}={device!r}")
+    if kind == "GPU" and (spec.device_index or 0) >= len(cluster.gpus):
+        raise ConfigError(f"{key} names {device}, but this machine has {len(cluster.gpus)} "
+                          f"GPU(s); choose one that exists or leave it empty. "
+                          f"Received: {key}={device!r}")
+    return device

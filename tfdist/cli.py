@@ -1,0 +1,115 @@
+"""The `tfdist` command.
+
+    tfdist train [--config FILE] [--strategy S] [--precision P] [--set KEY=VALUE ...]
+    tfdist env
+
+Bad input (a flag, a config value, the environment) prints one line,
+`tfdist: error: ...`, to stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from typing import NoReturn, Sequence
+
+from absl import app, flags, logging
+
+from tfdist import flags as tfdist_flags
+from tfdist.errors import ConfigError
+
+_USAGE = """usage: tfdist COMMAND [FLAGS]
+
+commands:
+  train   train the reference model with model.fit under the chosen strategy;
+          the chief's last line is a JSON object with the result
+  env     print what tfdist detects here: versions, devices, cluster, what auto chooses
+
+Run 'tfdist COMMAND --help' for a command's flags."""
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `tfdist` console script."""
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+        print(_USAGE)
+        sys.exit(0 if len(argv) >= 2 else 2)
+    command, rest = argv[1], argv[2:]
+    commands = {"train": _train, "env": _env}
+    if command not in commands:
+        _fail(f"unknown command '{command}'; use one of {', '.join(commands)} "
+              f"(tfdist --help). Received: {command}")
+    app.run(_catch_config_errors(commands[command]), argv=[f"tfdist {command}", *rest],
+            flags_parser=_parse_flags)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as error:
+        _fail(str(error).replace("\n", " "))
+
+
+def _catch_config_errors(command):
+    def run(argv: list[str]) -> None:
+        if len(argv) > 1:
+            _fail(f"{argv[0]} takes flags only; unexpected arguments: {' '.join(argv[1:])}")
+        if not flags.FLAGS["verbosity"].present:
+            # absl's app.run shows INFO, which floods the console with TensorFlow's
+            # per-variable messages; --verbosity=0 brings them back.
+            logging.set_verbosity(logging.WARNING)
+        try:
+            command()
+        except ConfigError as error:
+            _fail(str(error))
+    return run
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"tfdist: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _train() -> None:
+    config = tfdist_flags.config_from_flags()  # Fails fast, before TensorFlow is imported.
+    from tfdist import train
+    from tfdist.runner import Runner
+
+    runner = Runner(config)
+    if runner.is_chief:
+        print(f"tfdist: strategy {runner.strategy_name.value} ({runner.num_replicas} replicas), "
+              f"precision {runner.precision.name} ({runner.precision.reason})",
+              file=sys.stderr, flush=True)
+    result = train.run(runner.config, runner=runner)
+    if result.pop("is_chief"):
+        print(json.dumps(result), flush=True)
+
+
+def _env() -> None:
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist import registry
+    from tfdist.cluster import detect_cluster
+    from tfdist.precision import resolve_precision
+    from tfdist.runner import choose_strategy
+    from tfdist.config import Precision
+
+    cluster = detect_cluster()
+    strategy, reason = choose_strategy(cluster)
+    precision = resolve_precision(Precision.AUTO, strategy=strategy, cluster=cluster)
+    report = {
+        "versions": {"tfdist": tfdist.__version__, "python": platform.python_version(),
+                     "tensorflow": tf.__version__, "keras": keras.__version__},
+        "cluster": cluster.to_dict(),
+        "strategies_available": registry.available(),
+        "auto": {"strategy": strategy.value, "why": reason,
+                 "precision": precision.name, "precision_why": precision.reason},
+    }
+    print(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""What this process runs on: devices, and the cluster a launcher placed it in.
+
+This is the one module that reads the environment (variables, /proc, /dev).
+Everything else receives a `ClusterInfo`. Each source is what an existing
+engine gives a process:
+
+- `TF_CONFIG`: Kubeflow's TFJob, `tfdist launch`, or a user (JSON).
+- Slurm: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_JOB_NODELIST`.
+- MPI: Open MPI's `OMPI_COMM_WORLD_*`, MPICH's `PMI_*`, or `horovodrun`'s `HOROVOD_*`.
+- TPU: `TPU_NAME`, Colab's `COLAB_TPU_ADDR`, or a TPU VM's `/dev/accel*`.
+
+Example:
+
+    info = detect_cluster()
+    info.gpus, info.tf_config, info.mpi
+    detect_cluster({"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:2"]},'
+                                 ' "task": {"type": "worker", "index": 1}}'}, probe_gpus=False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Any, Mapping
+
+from tfdist.errors import ConfigError
+
+# Task types TF_CONFIG may name. `evaluator` runs beside a cluster, outside its spec.
+_TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuInfo:
+    """One physical GPU as TensorFlow sees it."""
+
+    name: str
+    compute_capability: tuple[int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TFConfigInfo:
+    """A parsed, checked `TF_CONFIG`.
+
+    Args:
+        cluster: Task type to its list of `host:port` addresses.
+        task_type: This process's type: chief, worker, ps or evaluator.
+        task_index: This process's index within its type.
+    """
+
+    cluster: Mapping[str, tuple[str, ...]]
+    task_type: str
+    task_index: int
+
+    @property
+    def num_workers(self) -> int:
+        """Processes that compute gradients: the chief and the workers."""
+        return len(self.cluster.get("chief", ())) + len(self.cluster.get("worker", ()))
+
+    @property
+    def is_chief(self) -> bool:
+        """The chief, or worker 0 when the cluster names no chief."""
+        if "chief" in self.cluster:
+            return self.task_type == "chief"
+        return self.task_type == "worker" and self.task_index == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmInfo:
+    """This task's place in a Slurm job step."""
+
+    job_id: str
+    proc_id: int
+    num_tasks: int
+    local_id: int
+    node_list: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MpiInfo:
+    """This process's rank as an MPI or Horovod launcher set it."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    launcher: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuInfo:
+    """Where a TPU was found: a name or address for `TPUClusterResolver`, or 'local'."""
+
+    name: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+    """Everything tfdist knows about where this process runs.
+
+    Args:
+        cpu_cores: Cores this process may use.
+        cpu_bf16: The CPU has bfloat16 matrix instructions (AVX512_BF16 or AMX).
+        gpus: Physical GPUs TensorFlow sees.
+        tf_config: The parsed TF_CONFIG, if set.
+        slurm: The Slurm task, if inside a job step.
+        mpi: The MPI/Horovod rank, if started by mpirun or horovodrun.
+        tpu: Where a TPU was found, if anywhere.
+    """
+
+    cpu_cores: int = 1
+    cpu_bf16: bool = False
+    gpus: tuple[GpuInfo, ...] = ()
+    tf_config: TFConfigInfo | None = None
+    slurm: SlurmInfo | None = None
+    mpi: MpiInfo | None = None
+    tpu: TpuInfo | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types, for `tfdist env` and logs."""
+        return dataclasses.asdict(self)
+
+
+def detect_cluster(environ: Mapping[str, str] | None = None, *, probe_gpus: bool = True,
+                   cpuinfo_path: str = "/proc/cpuinfo", dev_dir: str = "/dev") -> ClusterInfo:
+    """Reads the environment once and returns what it says.
+
+    Args:
+        environ: The variables to read. None: this process's environment.
+        probe_gpus: Ask TensorFlow for physical GPUs (imports TensorFlow; does not
+            start its runtime, so devices can still be configured afterwards).
+        cpuinfo_path: Where the CPU's flags are listed.
+        dev_dir: Where a TPU VM's accelerator device files are.
+
+    Returns:
+        A `ClusterInfo`.
+
+    Raises:
+        ConfigError: a malformed TF_CONFIG or launcher variable.
+    """
+    env = os.environ if environ is None else environ
+    raw_tf_config = env.get("TF_CONFIG", "").strip()
+    return ClusterInfo(
+        cpu_cores=_cpu_cores(),
+        cpu_bf16=_cpu_has_bf16(cpuinfo_path),
+        gpus=_physical_gpus() if probe_gpus else (),
+        tf_config=parse_tf_config(raw_tf_config) if raw_tf_config else None,
+        slurm=_slurm(env),
+        mpi=_mpi(env),
+        tpu=_tpu(env, dev_dir),
+    )
+
+
+def parse_tf_config(text: str) -> TFConfigInfo:
+    """Parses and checks a TF_CONFIG value.
+
+    Args:
+        text: JSON like `{"cluster": {"worker": ["host:port", ...]},
+            "task": {"type": "worker", "index": 0}}`.
+
+    Returns:
+        A `TFConfigInfo`.
+
+    Raises:
+        ConfigError: not JSON, missing parts, an unknown task type, an index out of
+            range, or more than one chief.
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"TF_CONFIG is not valid JSON ({error.msg} at character {error.pos}); "
+                          f"set it to {{\"cluster\": {{...}}, \"task\": {{\"type\": ..., "
+                          f"\"index\": ...}}}}. Received: TF_CONFIG={_clip(text)}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("cluster"), dict) or not data["cluster"]:
+        raise ConfigError("TF_CONFIG needs a non-empty \"cluster\" mapping of task type to "
+                          f"addresses. Received: TF_CONFIG={_clip(text)}")
+    cluster: dict[str, tuple[str, ...]] = {}
+    for task_type, addresses in data["cluster"].items():
+        if task_type not in _TASK_TYPES:
+            raise ConfigError(f"TF_CONFIG names an unknown task type '{task_type}'; use "
+                              f"{', '.join(_TASK_TYPES[:3])}. Received: TF_CONFIG={_clip(text)}")
+        if (not isinstance(addresses, list) or not addresses
+                or not all(isinstance(a, str) and ":" in a for a in addresses)):
+            raise ConfigError(f"TF_CONFIG cluster.{task_type} must be a non-empty list of "
+                              f"'host:port' strings. Received: {addresses!r}")
+        cluster[task_type] = tuple(addresses)
+    if len(cluster.get("chief", ())) > 1:
+        raise ConfigError("TF_CONFIG names more than one chief; a cluster has at most one "
+                          f"chief, the rest are workers. Received: chief={list(cluster['chief'])}")
+    task = data.get("task")
+    if not isinstance(task, dict) or "type" not in task:
+        raise ConfigError("TF_CONFIG needs \"task\": {\"type\": ..., \"index\": ...} naming this "
+                          f"process. Received: task={task!r}")
+    task_type, task_index = task["type"], task.get("index", 0)
+    if not isinstance(task_index, int) or isinstance(task_index, bool) or task_index < 0:
+        raise ConfigError(f"TF_CONFIG task.index must be an integer >= 0. Received: "
+                          f"index={task_index!r}")
+    if task_type == "evaluator":
+        return TFConfigInfo(cluster, task_type, task_index)
+    if task_type not in cluster:
+        raise ConfigError(f"TF_CONFIG task.type '{task_type}' is not in the cluster, which has "
+                          f"{', '.join(cluster)}; fix task.type. Received: task={task!r}")
+    count = len(cluster[task_type])
+    if task_index >= count:
+        raise ConfigError(f"TF_CONFIG task.index {task_index} is out of range: the cluster has "
+                          f"{count} '{task_type}' task(s), indices 0 to {count - 1}; fix "
+                          f"task.index. Received: task={task!r}")
+    return TFConfigInfo(cluster, task_type, task_index)
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _int_var(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"{name} is not set, though its launcher's other variables are; "
+                              f"start the process with the launcher, or unset them all")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer. Received: {name}={value!r}") from None
+
+
+def _slurm(env: Mapping[str, str]) -> SlurmInfo | None:
+    if "SLURM_PROCID" not in env:
+        return None
+    return SlurmInfo(
+        job_id=env.get("SLURM_JOB_ID", ""),
+        proc_id=_int_var(env, "SLURM_PROCID"),
+        num_tasks=_int_var(env, "SLURM_NTASKS", 1),
+        local_id=_int_var(env, "SLURM_LOCALID", 0),
+        node_list=env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")),
+    )
+
+
+# (launcher, rank, size, local rank, local size), in the order they are tried.
+_MPI_VARIABLES = (
+    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def _mpi(env: Mapping[str, str]) -> MpiInfo | None:
+    for launcher, rank, size, local_rank, local_size in _MPI_VARIABLES:
+        if rank in env:
+            info = MpiInfo(rank=_int_var(env, rank), size=_int_var(env, size),
+                           local_rank=_int_var(env, local_rank, 0),
+                           local_size=_int_var(env, local_size, 1), launcher=launcher)
+            if not 0 <= info.rank < info.size:
+                raise ConfigError(f"{rank} must be in [0, {size}). "
+                                  f"Received: {rank}={info.rank}, {size}={info.size}")
+            return info
+    return None
+
+
+def _tpu(env: Mapping[str, str], dev_dir: str) -> TpuInfo | None:
+    if env.get("TPU_NAME"):
+        return TpuInfo(name=env["TPU_NAME"], source="TPU_NAME")
+    if env.get("COLAB_TPU_ADDR"):
+        return TpuInfo(name=f"grpc://{env['COLAB_TPU_ADDR']}", source="COLAB_TPU_ADDR")
+    if env.get("TPU_ACCELERATOR_TYPE") or glob.glob(os.path.join(dev_dir, "accel[0-9]*")):
+        return TpuInfo(name="local", source="TPU VM")
+    return None
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_has_bf16(cpuinfo_path: str) -> bool:
+    try:
+        with open(cpuinfo_path, encoding="utf-8") as stream:
+            for line in stream:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def _physical_gpus() -> tuple[GpuInfo, ...]:
+    import tensorflow as tf  # Deferred: config errors should not wait for TensorFlow.
+
+    gpus = []
+    for device in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(device)
+        gpus.append(GpuInfo(name=details.get("device_name", device.name),
+                            compute_capability=details.get("compute_capability")))
+    return tuple(gpus)

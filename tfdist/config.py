@@ -1,0 +1,491 @@
+"""The run's configuration: frozen dataclasses, string enums, strict loading.
+
+Precedence is decided here and nowhere else: dataclass defaults, then the YAML
+file, then overrides (dotted keys), then validation. The result is frozen.
+
+Every value passes through `Config.__post_init__`, whichever way the config
+was made (`load_config`, `Config(...)`, `dataclasses.replace`): strings become
+enums through one resolver with a small alias table, sections given as dicts
+become dataclasses, and one function (`_validate`) checks ranges and
+combinations. Errors are one line that names the key, says what is expected
+and ends with what was received.
+
+Example:
+
+    config = load_config("strategies/mirrored.yaml",
+                         overrides={"precision": "bf16", "mirrored.cpu_replicas": 2})
+    config.precision          # Precision.MIXED_BFLOAT16
+    config.mirrored.cpu_replicas  # 2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import os
+import types
+import typing
+from typing import Any, Mapping
+
+import yaml
+
+from tfdist.errors import ConfigError
+
+
+class Strategy(str, enum.Enum):
+    """How training is placed on devices and machines."""
+
+    AUTO = "auto"
+    ONE_DEVICE = "one_device"
+    MIRRORED = "mirrored"
+    MULTI_WORKER = "multi_worker"
+    PARAMETER_SERVER = "parameter_server"
+    TPU = "tpu"
+    HOROVOD = "horovod"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Precision(str, enum.Enum):
+    """A Keras dtype policy, or `auto` to choose one from the hardware."""
+
+    FLOAT32 = "float32"
+    MIXED_FLOAT16 = "mixed_float16"
+    MIXED_BFLOAT16 = "mixed_bfloat16"
+    AUTO = "auto"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CrossDeviceOps(str, enum.Enum):
+    """How `MirroredStrategy` reduces gradients across its devices."""
+
+    AUTO = "auto"
+    NCCL = "nccl"
+    HIERARCHICAL_COPY = "hierarchical_copy"
+    REDUCE_TO_ONE = "reduce_to_one"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class DatasetName(str, enum.Enum):
+    """The main job's data: real handwritten digits, or synthetic features."""
+
+    DIGITS = "digits"
+    SYNTHETIC = "synthetic"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class OptimizerName(str, enum.Enum):
+    """The main job's optimizer."""
+
+    ADAM = "adam"
+    SGD = "sgd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Accepted spellings beyond each member's own value: a closed, small table.
+_ALIASES: dict[type[enum.Enum], dict[str, enum.Enum]] = {
+    Strategy: {
+        "single": Strategy.ONE_DEVICE,
+        "mirror": Strategy.MIRRORED,
+        "mwms": Strategy.MULTI_WORKER,
+        "ps": Strategy.PARAMETER_SERVER,
+        "hvd": Strategy.HOROVOD,
+    },
+    Precision: {
+        "fp32": Precision.FLOAT32,
+        "32": Precision.FLOAT32,
+        "fp16": Precision.MIXED_FLOAT16,
+        "16-mixed": Precision.MIXED_FLOAT16,
+        "bf16": Precision.MIXED_BFLOAT16,
+        "bf16-mixed": Precision.MIXED_BFLOAT16,
+    },
+}
+
+
+def _field(default: Any, help: str) -> Any:  # noqa: A002 - `help` is the metadata's name
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDeviceConfig:
+    """Options of the `one_device` strategy."""
+
+    device: str = _field("", "Device to train on, e.g. '/gpu:1'. Empty: the first GPU, else the CPU.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MirroredConfig:
+    """Options of the `mirrored` strategy (one machine, several devices)."""
+
+    devices: tuple[str, ...] = _field(
+        (), "Devices to mirror across, e.g. ['/gpu:0', '/gpu:1']. Empty: every GPU, else the CPU.")
+    cross_device_ops: CrossDeviceOps = _field(
+        CrossDeviceOps.AUTO,
+        "Gradient all-reduce: auto (TensorFlow's choice), nccl, hierarchical_copy, reduce_to_one.")
+    cpu_replicas: int = _field(
+        0, "Split the CPU into this many logical devices and mirror across them (0: no split).")
+
+
+@dataclasses.dataclass(frozen=True)
+class TPUConfig:
+    """Where the TPU is: the arguments of `TPUClusterResolver`."""
+
+    name: str = _field(
+        "", "TPU name, grpc:// address, or 'local' on a TPU VM. Empty: found from the environment.")
+    zone: str = _field("", "GCE zone of a named TPU. Empty: from the metadata server.")
+    project: str = _field("", "GCP project of a named TPU. Empty: from the metadata server.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadsConfig:
+    """TensorFlow's thread pools; set before TensorFlow starts its runtime."""
+
+    inter_op: int = _field(
+        0, "Threads running independent ops (0: TensorFlow's default). "
+           "With several local processes use at least processes + 1.")
+    intra_op: int = _field(0, "Threads inside one op (0: TensorFlow's default).")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The main job run by `tfdist train`; the Runner itself does not read it."""
+
+    dataset: DatasetName = _field(DatasetName.DIGITS, "digits (real, bundled) or synthetic.")
+    epochs: int = _field(5, "Passes over the training data.")
+    global_batch_size: int = _field(64, "Examples per step across all replicas.")
+    optimizer: OptimizerName = _field(OptimizerName.ADAM, "adam or sgd.")
+    learning_rate: float = _field(1e-3, "Learning rate of the optimizer.")
+    hidden_units: int = _field(128, "Width of the reference model's hidden layers.")
+    hidden_layers: int = _field(2, "Number of hidden Dense layers in the reference model.")
+    synthetic_examples: int = _field(4096, "Training examples in the synthetic dataset.")
+    synthetic_features: int = _field(256, "Features per synthetic example.")
+    output_dir: str = _field("tfdist_output", "Where the chief writes the resolved config and result.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything that decides how a run trains.
+
+    Args:
+        strategy: How training is placed on devices; `auto` chooses from the hardware.
+        precision: Keras dtype policy. None means the strategy's default:
+            `mixed_bfloat16` on TPU, `float32` elsewhere.
+        accumulation_steps: Micro-batches whose gradients make one optimizer update.
+        seed: Seeds Python, NumPy and TensorFlow when set, so runs repeat.
+        one_device, mirrored, tpu: Options of those strategies.
+        threads: TensorFlow's thread pools.
+        train: The main job's settings (`tfdist train`).
+
+    Example:
+
+        config = Config(strategy="mirrored", mirrored={"cpu_replicas": 2})
+        config.strategy is Strategy.MIRRORED   # True
+    """
+
+    strategy: Strategy = _field(Strategy.AUTO, "auto, one_device, mirrored, multi_worker, "
+                                               "parameter_server, tpu or horovod.")
+    precision: Precision | None = _field(
+        None, "float32, mixed_float16, mixed_bfloat16 or auto. "
+              "Unset: the strategy's default (mixed_bfloat16 on TPU, float32 elsewhere).")
+    accumulation_steps: int = _field(1, "Micro-batches per optimizer update.")
+    seed: int | None = _field(None, "Seed for Python, NumPy and TensorFlow. Unset: not seeded.")
+    one_device: OneDeviceConfig = _field(OneDeviceConfig(), "Options of one_device.")
+    mirrored: MirroredConfig = _field(MirroredConfig(), "Options of mirrored.")
+    tpu: TPUConfig = _field(TPUConfig(), "Options of tpu.")
+    threads: ThreadsConfig = _field(ThreadsConfig(), "TensorFlow thread pools.")
+    train: TrainConfig = _field(TrainConfig(), "The main job (tfdist train).")
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _coerce(getattr(self, f.name), hints[f.name], f.name))
+        _validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (enums as strings, tuples as lists), ready for YAML or JSON."""
+        return _plain(dataclasses.asdict(self))
+
+    def to_yaml(self) -> str:
+        """The config as YAML that `load_config` reads back to an equal config."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def load_config(path: str | os.PathLike | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Builds a validated, frozen `Config`: defaults, then the file, then overrides.
+
+    Args:
+        path: A YAML file whose keys mirror `Config` (sections are nested mappings).
+            None: start from the defaults.
+        overrides: Values that win over the file. Keys may be dotted to reach a nested
+            field (`"mirrored.cpu_replicas": 2`) or name a whole section.
+
+    Returns:
+        The validated `Config`.
+
+    Raises:
+        ConfigError: a missing or malformed file, an unknown key, a wrong type, a value
+            out of range, or a combination that cannot work.
+
+    Example:
+
+        config = load_config(overrides={"strategy": "mirrored", "mirrored.cpu_replicas": 2})
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_yaml(path)
+    if overrides:
+        data = _deep_merge(data, _expand_dotted(overrides))
+    return _coerce(data, Config, "")
+
+
+def config_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key a config accepts, e.g. `mirrored.cpu_replicas`."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default):
+            keys.extend(config_keys(type(f.default), f"{prefix}{f.name}."))
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def field_help(key: str) -> str:
+    """The help text of a dotted config key, as written beside its field."""
+    cls: Any = Config
+    *sections, name = key.split(".")
+    for section in sections:
+        cls = type({f.name: f for f in dataclasses.fields(cls)}[section].default)
+    return {f.name: f for f in dataclasses.fields(cls)}[name].metadata["help"]
+
+
+def parse_enum(enum_cls: type[enum.Enum], value: Any, key: str) -> Any:
+    """Resolves a user's spelling of an enum member: its value, or an alias.
+
+    Args:
+        enum_cls: The enum, e.g. `Strategy`.
+        value: A member, or a string in any case (`"Mirrored"`, `"bf16"`).
+        key: The config key, for the error message.
+
+    Raises:
+        ConfigError: the value names no member; the message lists the choices.
+    """
+    if isinstance(value, enum_cls):
+        return value
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be one of {_choices(enum_cls)}; YAML reads unquoted "
+                          f"yes/no/on/off as true/false, so quote the value. Received: {key}={value!r}")
+    if isinstance(value, str):
+        spelled = value.strip().lower()
+        for member in enum_cls:
+            if member.value == spelled:
+                return member
+        alias = _ALIASES.get(enum_cls, {}).get(spelled)
+        if alias is not None:
+            return alias
+        names = [m.value for m in enum_cls] + list(_ALIASES.get(enum_cls, {}))
+        close = difflib.get_close_matches(spelled, names, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(f"unknown {key} '{value}'; {hint}choose one of {_choices(enum_cls)}. "
+                          f"Received: {key}={value!r}")
+    raise ConfigError(f"{key} must be a string, one of {_choices(enum_cls)}. "
+                      f"Received: {key}={value!r} ({type(value).__name__})")
+
+
+# --- conversion -------------------------------------------------------------------------
+
+
+def _choices(enum_cls: type[enum.Enum]) -> str:
+    return ", ".join(m.value for m in enum_cls)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Converts one value to the field's declared type, or raises a one-line ConfigError."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        origin = typing.get_origin(hint)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return parse_enum(hint, value, key)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _coerce_section(value, hint, key)
+    if origin is tuple:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        return _wrong_type(key, value, "a list of strings")
+    if hint is bool:
+        return value if isinstance(value, bool) else _wrong_type(key, value, "true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        return _wrong_type(key, value, "an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        return _wrong_type(key, value, "a number")
+    if hint is str:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a string; YAML reads unquoted yes/no/on/off as "
+                              f"true/false, so quote the value. Received: {key}={value!r}")
+        return value if isinstance(value, str) else _wrong_type(key, value, "a string")
+    raise TypeError(f"config field {key} has an unsupported type {hint!r}")  # a tfdist bug
+
+
+def _coerce_section(value: Any, cls: type, key: str) -> Any:
+    prefix = f"{key}." if key else ""
+    if isinstance(value, cls):
+        given = {f.name: getattr(value, f.name) for f in dataclasses.fields(cls)}
+    elif isinstance(value, Mapping):
+        given = dict(value)
+        _check_known_keys(given, cls, prefix)
+    else:
+        where = key or "the config"
+        return _wrong_type(where, value, "a mapping of keys to values")
+    if cls is Config:  # Config coerces and validates itself in __post_init__.
+        return Config(**given)
+    hints = typing.get_type_hints(cls)
+    return cls(**{name: _coerce(v, hints[name], prefix + name) for name, v in given.items()})
+
+
+def _check_known_keys(given: Mapping[str, Any], cls: type, prefix: str) -> None:
+    known = [f.name for f in dataclasses.fields(cls)]
+    for name in given:
+        if name in known:
+            continue
+        full = prefix + str(name)
+        every_key = config_keys()
+        close = difflib.get_close_matches(full, every_key, n=1) or [
+            k for k in every_key if k.rsplit(".", 1)[-1] == name][:1]
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        where = f"under '{prefix[:-1]}'" if prefix else "at the top level"
+        raise ConfigError(f"unknown config key '{full}'; {hint}valid keys {where}: "
+                          f"{', '.join(known)}. Received: {full}={given[name]!r}")
+
+
+def _wrong_type(key: str, value: Any, expected: str) -> Any:
+    raise ConfigError(f"{key} must be {expected}. Received: {key}={value!r} "
+                      f"({type(value).__name__})")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# --- validation: every range and combination, in one place ------------------------------
+
+
+def _validate(config: Config) -> None:
+    def require(ok: bool, key: str, value: Any, requirement: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key} must be {requirement}. Received: {key}={value!r}")
+
+    require(config.accumulation_steps >= 1, "accumulation_steps", config.accumulation_steps,
+            "an integer >= 1 (micro-batches per optimizer update; 1 means no accumulation)")
+    if config.seed is not None:
+        require(config.seed >= 0, "seed", config.seed, "a non-negative integer, or unset")
+    mirrored = config.mirrored
+    require(mirrored.cpu_replicas >= 0, "mirrored.cpu_replicas", mirrored.cpu_replicas,
+            "an integer >= 0 (logical CPU devices to mirror across; 0 means no split)")
+    require(not (mirrored.cpu_replicas and mirrored.devices), "mirrored.cpu_replicas",
+            mirrored.cpu_replicas, "0 when mirrored.devices is set: choose the devices or "
+            "the CPU split, not both")
+    require(not (mirrored.cpu_replicas and mirrored.cross_device_ops is CrossDeviceOps.NCCL),
+            "mirrored.cross_device_ops", "nccl", "auto, hierarchical_copy or reduce_to_one "
+            "with cpu_replicas: NCCL reduces on GPUs only")
+    for name in ("inter_op", "intra_op"):
+        value = getattr(config.threads, name)
+        require(value >= 0, f"threads.{name}", value, "an integer >= 0 (0: TensorFlow's default)")
+    check_precision_supported(config.strategy, config.precision)
+    train = config.train
+    for name in ("epochs", "global_batch_size", "hidden_units", "synthetic_examples",
+                 "synthetic_features"):
+        value = getattr(train, name)
+        require(value >= 1, f"train.{name}", value, "an integer >= 1")
+    require(train.hidden_layers >= 0, "train.hidden_layers", train.hidden_layers,
+            "an integer >= 0")
+    require(train.learning_rate > 0, "train.learning_rate", train.learning_rate,
+            "a number > 0")
+    require(bool(train.output_dir), "train.output_dir", train.output_dir, "a directory path")
+
+
+def check_precision_supported(strategy: Strategy, precision: Precision | None) -> None:
+    """Raises ConfigError for a precision the strategy's hardware cannot run.
+
+    Called on the config as written, and again once `auto` has chosen a strategy.
+    """
+    if strategy is Strategy.TPU and precision is Precision.MIXED_FLOAT16:
+        raise ConfigError("precision mixed_float16 does not run on TPU, which computes in "
+                          "bfloat16; use mixed_bfloat16 or auto. "
+                          "Received: strategy=tpu, precision=mixed_float16")
+
+
+# --- files and overrides ------------------------------------------------------------------
+
+
+def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as stream:
+            data = yaml.safe_load(stream)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {os.fspath(path)}; pass the path of a YAML "
+                          f"file (presets are in strategies/). Received: path={os.fspath(path)!r}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config path is a directory: {os.fspath(path)}; pass a YAML file. "
+                          f"Received: path={os.fspath(path)!r}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"config file {os.fspath(path)} is not valid YAML{where}: {problem}; "
+                          f"fix the syntax there") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {os.fspath(path)} must hold a mapping of keys to values. "
+                          f"Received: a {type(data).__name__}")
+    return data
+
+
+def _expand_dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"override keys must be non-empty strings. Received: {key!r}")
+        *sections, name = key.split(".")
+        target = nested
+        for section in sections:
+            target = target.setdefault(section, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"override '{key}' reaches inside '{section}', which is not a "
+                                  f"section. Received: {key}={value!r}")
+        target[name] = _deep_merge(target[name], value) if (
+            isinstance(target.get(name), dict) and isinstance(value, Mapping)) else value
+    return nested
+
+
+def _deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(merged.get(key), Mapping) and isinstance(value, Mapping):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

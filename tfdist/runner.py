@@ -1,0 +1,230 @@
+"""Runner: config, then cluster, then adapter and precision, then ready to train.
+
+The Runner is what a user holds. The user's own `model.fit` stays the training
+loop; the Runner supplies the scope to build in, the optimizer, the dataset and
+the callbacks that make that loop right under the chosen strategy.
+
+Example:
+
+    runner = tfdist.Runner(tfdist.load_config("strategies/mirrored.yaml"))
+    with runner.scope():
+        model = build_model()
+        model.compile(optimizer=runner.optimizer(keras.optimizers.Adam(1e-3)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(runner.dataset(train, global_batch_size=256), epochs=5,
+              callbacks=runner.callbacks())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Iterator
+
+from absl import logging
+
+from tfdist import registry
+from tfdist.cluster import ClusterInfo, detect_cluster
+from tfdist.config import Config, Strategy, ThreadsConfig, load_config
+from tfdist.errors import ConfigError
+from tfdist.files import atomic_write_text
+from tfdist.precision import PrecisionPolicy, resolve_precision
+
+
+def choose_strategy(cluster: ClusterInfo) -> tuple[Strategy, str]:
+    """What `strategy: auto` picks on this machine, and why.
+
+    Args:
+        cluster: What detection found.
+
+    Returns:
+        The strategy, and one line saying why.
+    """
+    if cluster.tpu is not None:
+        return Strategy.TPU, f"a TPU was found ({cluster.tpu.source})"
+    if cluster.tf_config is not None and "ps" in cluster.tf_config.cluster:
+        return Strategy.PARAMETER_SERVER, "TF_CONFIG names parameter servers"
+    if cluster.tf_config is not None and cluster.tf_config.num_workers > 1:
+        return Strategy.MULTI_WORKER, f"TF_CONFIG names {cluster.tf_config.num_workers} workers"
+    if cluster.mpi is not None and cluster.mpi.size > 1:
+        return Strategy.HOROVOD, f"{cluster.mpi.launcher} started {cluster.mpi.size} ranks"
+    if cluster.slurm is not None and cluster.slurm.num_tasks > 1:
+        return Strategy.MULTI_WORKER, f"Slurm started {cluster.slurm.num_tasks} tasks"
+    if len(cluster.gpus) > 1:
+        return Strategy.MIRRORED, f"{len(cluster.gpus)} GPUs were found"
+    if cluster.gpus:
+        return Strategy.ONE_DEVICE, "one GPU was found"
+    return Strategy.ONE_DEVICE, "no GPU or TPU was found: the CPU"
+
+
+class Runner:
+    """Turns a config into a strategy, a precision policy and the pieces `model.fit` needs.
+
+    Args:
+        config: The run's config. None: `load_config()` defaults.
+        cluster: Detection results. None: `detect_cluster()` reads this process's
+            environment.
+
+    Raises:
+        ConfigError: a strategy, device or precision this machine cannot provide.
+
+    Example:
+
+        runner = Runner(load_config(overrides={"strategy": "one_device"}))
+        runner.num_replicas, runner.is_chief   # (1, True)
+    """
+
+    def __init__(self, config: Config | None = None, *, cluster: ClusterInfo | None = None):
+        config = load_config() if config is None else config
+        if not isinstance(config, Config):
+            raise ConfigError("Runner needs a tfdist.Config; build one with tfdist.load_config(). "
+                              f"Received: {type(config).__name__}")
+        self.cluster = detect_cluster() if cluster is None else cluster
+        if config.strategy is Strategy.AUTO:
+            strategy_name, reason = choose_strategy(self.cluster)
+            logging.info("tfdist: strategy auto chose %s: %s", strategy_name.value, reason)
+        else:
+            strategy_name = config.strategy
+        if config.accumulation_steps > 1:
+            raise ConfigError("accumulation_steps > 1 is not available yet in this version of "
+                              "tfdist; use accumulation_steps: 1. "
+                              f"Received: accumulation_steps={config.accumulation_steps}")
+        adapter_cls = registry.get(strategy_name)
+        self.precision: PrecisionPolicy = resolve_precision(
+            config.precision, strategy=strategy_name, cluster=self.cluster)
+        logging.info("tfdist: precision %s (%s)", self.precision.name, self.precision.reason)
+        # The resolved config: what actually runs, written beside the run's outputs.
+        self.config = dataclasses.replace(config, strategy=strategy_name,
+                                          precision=self.precision.precision)
+        _configure_threads(config.threads)
+        if config.seed is not None:
+            import keras
+
+            keras.utils.set_random_seed(config.seed)
+        self._adapter = adapter_cls(self.config, self.cluster)
+        self.strategy = self._adapter.strategy
+
+    @classmethod
+    def from_flags(cls, flag_values: Any = None) -> "Runner":
+        """Builds a Runner from tfdist's absl flags, once they are parsed (inside `main`).
+
+        Args:
+            flag_values: The `absl.flags.FlagValues` holding tfdist's flags. None: the
+                global `FLAGS`.
+        """
+        from tfdist import flags as tfdist_flags
+
+        return cls(tfdist_flags.config_from_flags(flag_values))
+
+    @property
+    def strategy_name(self) -> Strategy:
+        """The concrete strategy in use (what `auto` chose, if asked)."""
+        return self.config.strategy
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas that train in sync, across all processes."""
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process writes logs, checkpoints and the resolved config."""
+        return self._adapter.is_chief
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Build and compile the model inside this block.
+
+        It enters the strategy's scope, so variables are placed by the strategy, and
+        sets Keras's dtype policy, so layers compute in the run's precision. The
+        previous global dtype policy is restored on exit.
+        """
+        with self.precision.applied(), self.strategy.scope():
+            yield
+
+    def optimizer(self, optimizer: Any) -> Any:
+        """Returns the optimizer to pass to `model.compile`.
+
+        Keras's TensorFlow optimizers belong to the strategy they were constructed
+        under, and `model.fit` fails ("Mixing different tf.distribute.Strategy
+        objects") when that is not the model's. So an optimizer that has not taken a
+        step yet is re-created from its config inside this strategy's scope, and may
+        be constructed anywhere.
+
+        Args:
+            optimizer: A `keras.optimizers.Optimizer`, or an identifier Keras accepts
+                (`"adam"`, a config dict).
+
+        Returns:
+            The optimizer, wrapped for loss scaling under mixed_float16 and for what
+            the strategy needs.
+        """
+        import keras
+
+        with self.strategy.scope():
+            try:
+                optimizer = keras.optimizers.get(optimizer)
+            except ValueError as error:
+                raise ConfigError(f"runner.optimizer needs a Keras optimizer or its name, such "
+                                  f"as keras.optimizers.Adam(1e-3) or 'adam' ({error}). "
+                                  f"Received: {optimizer!r}") from None
+            if not optimizer.built and int(optimizer.iterations.numpy()) == 0:
+                optimizer = type(optimizer).from_config(optimizer.get_config())
+            return self._adapter.wrap_optimizer(self.precision.wrap_optimizer(optimizer))
+
+    def dataset(self, source: Any, global_batch_size: int, *, drop_remainder: bool = True) -> Any:
+        """Batches and places unbatched data as the strategy needs.
+
+        Step i consumes the same examples under every strategy: those of step i
+        under `one_device` with the same global batch.
+
+        Args:
+            source: An unbatched `tf.data.Dataset`, or a function of
+                `tf.distribute.InputContext` returning one.
+            global_batch_size: Examples per step across all replicas; must divide by
+                `num_replicas`.
+            drop_remainder: Drop a final partial batch (the default, so every step's
+                gradient is the mean over a full global batch). False suits evaluation.
+
+        Returns:
+            What to pass to `model.fit`, `model.evaluate` or `model.predict`.
+
+        Raises:
+            ConfigError: the batch does not divide across replicas, or the source is
+                not a dataset.
+        """
+        return self._adapter.distribute_dataset(source, global_batch_size,
+                                                drop_remainder=drop_remainder)
+
+    def callbacks(self) -> list[Any]:
+        """Keras callbacks to add to `model.fit` for this strategy."""
+        return self._adapter.callbacks()
+
+    def save_config(self, directory: str | os.PathLike) -> str | None:
+        """Writes the resolved config to `directory/config.yaml`, on the chief only.
+
+        Returns:
+            The path written, or None on processes other than the chief.
+        """
+        if not self.is_chief:
+            return None
+        return atomic_write_text(os.path.join(os.fspath(directory), "config.yaml"),
+                                 self.config.to_yaml())
+
+
+def _configure_threads(threads: ThreadsConfig) -> None:
+    """Sets TensorFlow's thread pools, which are fixed once its runtime starts."""
+    import tensorflow as tf
+
+    settings = (("inter_op", threads.inter_op, tf.config.threading.set_inter_op_parallelism_threads),
+                ("intra_op", threads.intra_op, tf.config.threading.set_intra_op_parallelism_threads))
+    for name, count, setter in settings:
+        if not count:
+            continue
+        try:
+            setter(count)
+        except RuntimeError:
+            raise ConfigError(f"threads.{name}={count} cannot be applied: TensorFlow's runtime "
+                              f"has already started; create the Runner before any TensorFlow "
+                              f"op runs. Received: threads.{name}={count}") from None

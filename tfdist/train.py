@@ -1,0 +1,103 @@
+"""The main job: the reference model trained with the user's path, `model.fit` under a Runner.
+
+`tfdist train` runs `run(config)` and prints its result as one JSON line.
+
+Example:
+
+    result = run(load_config("strategies/mirrored.yaml", overrides={"train.epochs": 2}))
+    result["accuracy"], result["examples_per_sec"]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import keras
+
+from tfdist import data
+from tfdist.callbacks import Throughput
+from tfdist.config import Config, OptimizerName, TrainConfig
+from tfdist.files import atomic_write_text
+from tfdist.runner import Runner
+
+
+def build_reference_model(num_features: int, num_classes: int, hidden_units: int = 128,
+                          hidden_layers: int = 2) -> keras.Model:
+    """A multilayer perceptron classifier; its output softmax computes in float32.
+
+    Under mixed precision the logits are float16/bfloat16; the softmax and so the
+    loss stay float32, as the Keras mixed-precision guide recommends.
+
+    Args:
+        num_features: Input width.
+        num_classes: Output classes.
+        hidden_units: Width of each hidden layer.
+        hidden_layers: Number of hidden layers.
+    """
+    inputs = keras.Input((num_features,), name="features")
+    x = inputs
+    for index in range(hidden_layers):
+        x = keras.layers.Dense(hidden_units, activation="relu", name=f"hidden_{index}")(x)
+    logits = keras.layers.Dense(num_classes, name="logits")(x)
+    outputs = keras.layers.Activation("softmax", dtype="float32", name="probabilities")(logits)
+    return keras.Model(inputs, outputs, name="reference_mlp")
+
+
+def make_optimizer(train: TrainConfig) -> keras.optimizers.Optimizer:
+    """The optimizer the main job's config names."""
+    if train.optimizer is OptimizerName.SGD:
+        return keras.optimizers.SGD(train.learning_rate)
+    return keras.optimizers.Adam(train.learning_rate)
+
+
+def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
+    """Trains and evaluates the reference model; the chief writes config.yaml and result.json.
+
+    Args:
+        config: The run's config; `config.train` sets the job.
+        runner: A Runner built from `config` already. None: build one.
+
+    Returns:
+        The result: strategy, replicas, precision, accumulation_steps, epochs,
+        final_loss (training loss of the last epoch), accuracy (on the held-out
+        split), examples_per_sec (median over epochs after the first), and more.
+    """
+    runner = Runner(config) if runner is None else runner
+    job = runner.config.train
+    splits = data.load(job)
+    train_data = splits.train.shuffle(splits.num_train, seed=runner.config.seed or 0,
+                                      reshuffle_each_iteration=True)
+    with runner.scope():
+        model = build_reference_model(splits.num_features, splits.num_classes,
+                                      job.hidden_units, job.hidden_layers)
+        model.compile(optimizer=runner.optimizer(make_optimizer(job)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    throughput = Throughput(job.global_batch_size)
+    history = model.fit(runner.dataset(train_data, job.global_batch_size), epochs=job.epochs,
+                        callbacks=[*runner.callbacks(), throughput],
+                        shuffle=False,  # The dataset shuffles itself, once per epoch.
+                        verbose=1 if runner.is_chief else 0)
+    test_loss, test_accuracy = model.evaluate(
+        runner.dataset(splits.test, job.global_batch_size, drop_remainder=False), verbose=0)
+    result = {
+        "strategy": runner.strategy_name.value,
+        "replicas": runner.num_replicas,
+        "precision": runner.precision.name,
+        "accumulation_steps": runner.config.accumulation_steps,
+        "epochs": job.epochs,
+        "global_batch_size": job.global_batch_size,
+        "dataset": job.dataset.value,
+        "final_loss": float(history.history["loss"][-1]),
+        "train_accuracy": float(history.history["accuracy"][-1]),
+        "test_loss": float(test_loss),
+        "accuracy": float(test_accuracy),
+        "examples_per_sec": round(throughput.examples_per_sec, 1),
+        "is_chief": runner.is_chief,
+    }
+    if runner.is_chief:
+        runner.save_config(job.output_dir)
+        atomic_write_text(os.path.join(job.output_dir, "result.json"),
+                          json.dumps(result, indent=2) + "\n")
+    return result
