@@ -9,6 +9,7 @@ Bad input (a flag, a config value, the environment) prints one line,
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import sys
@@ -17,6 +18,7 @@ from typing import NoReturn, Sequence
 from absl import app, flags, logging
 
 from tfdist import flags as tfdist_flags
+from tfdist.config import config_keys, field_help, load_config
 from tfdist.errors import ConfigError
 
 _USAGE = """usage: tfdist COMMAND [FLAGS]
@@ -40,6 +42,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     if command not in commands:
         _fail(f"unknown command '{command}'; use one of {', '.join(commands)} "
               f"(tfdist --help). Received: {command}")
+    if "--help" in rest or "-h" in rest:
+        # absl's own --help lists only __main__'s flags and exits with status 1.
+        print(f"usage: tfdist {command} [FLAGS]\n")
+        if command == "train":
+            print(flags.FLAGS.module_help(tfdist_flags))
+            print("\nConfig keys (for --set KEY=VALUE, or a --config file):")
+            defaults = load_config().to_dict()
+            for key in config_keys():
+                default = functools.reduce(lambda section, name: section[name],
+                                           key.split("."), defaults)
+                print(f"  {key} (default: {default!r}): {field_help(key)}")
+        print("\nAbsl and TensorFlow flags: tfdist " + command + " --helpfull")
+        sys.exit(0)
     app.run(_catch_config_errors(commands[command]), argv=[f"tfdist {command}", *rest],
             flags_parser=_parse_flags)
 
@@ -78,7 +93,8 @@ def _train() -> None:
 
     runner = Runner(config)
     if runner.is_chief:
-        print(f"tfdist: strategy {runner.strategy_name.value} ({runner.num_replicas} replicas), "
+        replicas = f"{runner.num_replicas} replica{'' if runner.num_replicas == 1 else 's'}"
+        print(f"tfdist: strategy {runner.strategy_name.value} ({replicas}), "
               f"precision {runner.precision.name} ({runner.precision.reason})",
               file=sys.stderr, flush=True)
     result = train.run(runner.config, runner=runner)

@@ -1,0 +1,144 @@
+"""Bad input: one clear line naming the problem and the fix; never a traceback.
+
+Each case runs twice: through Python (a `tfdist.ConfigError`, which is a
+`ValueError`) and through the CLI (exit status 2, one `tfdist: error:` line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Callable
+
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist.cluster import detect_cluster
+from tests.conftest import TFDIST, run_command
+
+TWO_REPLICAS = {"strategy": "mirrored", "mirrored.cpu_replicas": 2}
+TWO_REPLICA_FLAGS = ["--strategy=mirrored", "--set", "mirrored.cpu_replicas=2"]
+
+
+def runner(overrides, env=None):
+    cluster = detect_cluster(env, probe_gpus=False) if env is not None else None
+    return tfdist.Runner(tfdist.load_config(overrides=overrides), cluster=cluster)
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    cli: list[str]                      # flags after `tfdist train`
+    python: Callable | None             # called with tmp_path; must raise ConfigError
+    expect: str                         # a fragment of the one-line message
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+CASES = [
+    Case("unknown strategy", ["--strategy=mirored"],
+         lambda d: tfdist.load_config(overrides={"strategy": "mirored"}),
+         "unknown strategy 'mirored'; did you mean 'mirrored'?"),
+    Case("unknown precision", ["--precision=fp8"],
+         lambda d: tfdist.load_config(overrides={"precision": "fp8"}), "unknown precision 'fp8'"),
+    Case("unknown top-level key", ["--set", "epochs=3"],
+         lambda d: tfdist.load_config(overrides={"epochs": 3}), "did you mean 'train.epochs'?"),
+    Case("unknown nested key", ["--set", "mirrored.cpu_replica=2"],
+         lambda d: tfdist.load_config(overrides={"mirrored.cpu_replica": 2}),
+         "did you mean 'mirrored.cpu_replicas'?"),
+    Case("wrong type", ["--set", "train.epochs=three"],
+         lambda d: tfdist.load_config(overrides={"train.epochs": "three"}),
+         "train.epochs must be an integer. Received: train.epochs='three'"),
+    Case("accumulation_steps 0", ["--accumulation_steps=0"],
+         lambda d: tfdist.load_config(overrides={"accumulation_steps": 0}),
+         "accumulation_steps must be an integer >= 1"),
+    Case("negative cpu_replicas", ["--set", "mirrored.cpu_replicas=-2"],
+         lambda d: tfdist.load_config(overrides={"mirrored.cpu_replicas": -2}),
+         "mirrored.cpu_replicas must be an integer >= 0"),
+    Case("global batch of 0", ["--set", "train.global_batch_size=0"],
+         lambda d: tfdist.load_config(overrides={"train.global_batch_size": 0}),
+         "train.global_batch_size must be an integer >= 1"),
+    Case("malformed YAML", ["--config=bad.yaml"],
+         lambda d: tfdist.load_config(d / "bad.yaml"),
+         "is not valid YAML at line 2", files={"bad.yaml": "strategy: mirrored\n  precision: [x\n"}),
+    Case("YAML reads off as false", ["--config=off.yaml"],
+         lambda d: tfdist.load_config(d / "off.yaml"), "quote the value",
+         files={"off.yaml": "strategy: off\n"}),
+    Case("missing config file", ["--config=nope.yaml"],
+         lambda d: tfdist.load_config(d / "nope.yaml"), "config file not found"),
+    Case("config is not a mapping", ["--config=list.yaml"],
+         lambda d: tfdist.load_config(d / "list.yaml"), "must hold a mapping",
+         files={"list.yaml": "- strategy\n- mirrored\n"}),
+    Case("devices and cpu_replicas together",
+         ["--set", "mirrored.cpu_replicas=2", "--set", "mirrored.devices=[/cpu:0]"],
+         lambda d: tfdist.load_config(overrides={"mirrored.cpu_replicas": 2,
+                                                 "mirrored.devices": ["/cpu:0"]}), "not both"),
+    Case("mixed_float16 on TPU", ["--strategy=tpu", "--precision=mixed_float16"],
+         lambda d: tfdist.load_config(overrides={"strategy": "tpu", "precision": "fp16"}),
+         "mixed_float16 does not run on TPU"),
+    Case("strategy not available yet", ["--strategy=horovod"],
+         lambda d: runner({"strategy": "horovod"}), "'horovod' is not available yet"),
+    Case("malformed TF_CONFIG", ["--strategy=one_device"],
+         lambda d: runner({"strategy": "one_device"}, env={"TF_CONFIG": '{"cluster": '}),
+         "TF_CONFIG is not valid JSON", env={"TF_CONFIG": '{"cluster": '}),
+    Case("TF_CONFIG task index out of range", ["--strategy=one_device"],
+         lambda d: runner({"strategy": "one_device"}, env={"TF_CONFIG": json.dumps(
+             {"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 3}})}),
+         "task.index 3 is out of range",
+         env={"TF_CONFIG": json.dumps({"cluster": {"worker": ["localhost:1"]},
+                                       "task": {"type": "worker", "index": 3}})}),
+    Case("TPU requested with no TPU", ["--strategy=tpu"],
+         lambda d: runner({"strategy": "tpu"}), "found no TPU"),
+    Case("NCCL without GPUs", [*TWO_REPLICA_FLAGS[:1], "--set", "mirrored.cross_device_ops=nccl"],
+         lambda d: runner({"strategy": "mirrored", "mirrored.cross_device_ops": "nccl"}),
+         "nccl needs GPUs"),
+    Case("a GPU that is not there", ["--strategy=one_device", "--set", "one_device.device=/gpu:3"],
+         lambda d: runner({"strategy": "one_device", "one_device.device": "/gpu:3"}),
+         "names /gpu:3, but this machine has 0 GPU(s)"),
+    Case("batch does not divide across replicas",
+         [*TWO_REPLICA_FLAGS, "--set", "train.global_batch_size=63"],
+         lambda d: runner(TWO_REPLICAS).dataset(tf.data.Dataset.range(10), 63),
+         "global_batch_size 63 does not divide across 2 replicas; use a multiple of 2"),
+    Case("malformed --set (CLI only)", ["--set", "epochs"], None, "--set expects KEY=VALUE"),
+    Case("unknown flag (CLI only)", ["--strategyy=mirrored"], None,
+         "Unknown command line flag 'strategyy'"),
+]
+
+
+def _write_files(case, directory):
+    for name, text in case.files.items():
+        (directory / name).write_text(text)
+
+
+def test_the_table_has_at_least_15_cases():
+    assert len([c for c in CASES if c.python is not None]) >= 15
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.python], ids=lambda c: c.name)
+def test_python_raises_one_line_config_error(case, tmp_path):
+    _write_files(case, tmp_path)
+    with pytest.raises(tfdist.ConfigError) as raised:
+        case.python(tmp_path)
+    message = str(raised.value)
+    assert isinstance(raised.value, ValueError)
+    assert case.expect in message
+    assert "\n" not in message
+    assert "Received" in message or "found no TPU" in message or "YAML" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_cli_exits_2_with_one_error_line(case, tmp_path):
+    _write_files(case, tmp_path)
+    # A short run, should a case not fail; the case's own flags come last and win.
+    result = run_command([TFDIST, "train", "--set", "train.epochs=1", *case.cli],
+                         cwd=tmp_path, env=case.env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tfdist: error:")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert case.expect in errors[0]
+    assert result.stderr.rstrip().splitlines()[-1] == errors[0]  # the last word is ours
+    assert result.stdout.strip() == "" or not re.search(r"^\{", result.stdout, re.M)

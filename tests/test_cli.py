@@ -1,0 +1,116 @@
+"""The `tfdist` command and the example script, end to end, as a user runs them."""
+
+import json
+import sys
+
+import pytest
+import yaml
+
+import tfdist
+from tests.conftest import REPO, TFDIST, last_json_line, run_command
+
+CONTRACT_KEYS = {"strategy", "replicas", "precision", "accumulation_steps", "epochs",
+                 "final_loss", "accuracy", "examples_per_sec"}
+
+
+@pytest.mark.slow
+def test_train_as_make_demo_runs_it(tmp_path):
+    result = run_command([TFDIST, "train", f"--config={REPO / 'strategies/mirrored.yaml'}",
+                          "--set", "mirrored.cpu_replicas=2", "--set", "train.epochs=3",
+                          "--set", "train.output_dir=out"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json_line(result.stdout)
+    assert CONTRACT_KEYS <= set(summary)
+    assert summary["strategy"] == "mirrored"
+    assert summary["replicas"] == 2
+    assert summary["precision"] == "float32"
+    assert summary["epochs"] == 3
+    assert summary["accuracy"] > 0.85  # digits after 3 epochs
+    assert summary["examples_per_sec"] > 0
+    assert "Epoch 3/3" in result.stdout  # the chief's Keras progress bar
+    assert "strategy mirrored (2 replicas)" in result.stderr
+    # The chief wrote the resolved config and the result beside each other.
+    written = tfdist.load_config(tmp_path / "out" / "config.yaml")
+    assert written.strategy is tfdist.Strategy.MIRRORED
+    assert written.precision is tfdist.Precision.FLOAT32
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["accuracy"] == \
+        summary["accuracy"]
+
+
+@pytest.mark.slow
+def test_train_auto_with_bfloat16(tmp_path):
+    result = run_command([TFDIST, "train", "--strategy=auto", "--precision=bf16",
+                          "--set", "train.epochs=2"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json_line(result.stdout)
+    assert summary["strategy"] in {"one_device", "mirrored"}  # no TPU or cluster here
+    assert summary["precision"] == "mixed_bfloat16"
+    written = yaml.safe_load((tmp_path / "tfdist_output" / "config.yaml").read_text())
+    assert written["strategy"] == summary["strategy"]  # auto is resolved in the saved config
+
+
+@pytest.mark.slow
+def test_env_reports_versions_devices_and_the_auto_choice(tmp_path):
+    result = run_command([TFDIST, "env"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["versions"]["tensorflow"].startswith("2.21")
+    assert report["versions"]["keras"].startswith("3.")
+    assert report["cluster"]["cpu_cores"] >= 1
+    assert report["auto"]["strategy"] in {s.value for s in tfdist.Strategy}
+    assert report["auto"]["why"]
+    assert "mirrored" in report["strategies_available"]
+
+
+@pytest.mark.slow
+def test_env_reads_the_launcher_environment(tmp_path):
+    tf_config = {"cluster": {"worker": ["localhost:1", "localhost:2"]},
+                 "task": {"type": "worker", "index": 1}}
+    result = run_command([TFDIST, "env"], cwd=tmp_path, env={"TF_CONFIG": json.dumps(tf_config)})
+    report = json.loads(result.stdout)
+    assert report["cluster"]["tf_config"]["task_index"] == 1
+    assert report["auto"]["strategy"] == "multi_worker"
+
+
+@pytest.mark.parametrize("args, status, fragment", [
+    ([], 2, "usage: tfdist COMMAND"),
+    (["--help"], 0, "usage: tfdist COMMAND"),
+    (["fly"], 2, "tfdist: error: unknown command 'fly'"),
+    (["train", "extra"], 2, "takes flags only"),
+])
+def test_usage(args, status, fragment, tmp_path):
+    result = run_command([TFDIST, *args], cwd=tmp_path)
+    assert result.returncode == status
+    assert fragment in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_train_help_lists_tfdist_flags(tmp_path):
+    result = run_command([TFDIST, "train", "--help"], cwd=tmp_path)
+    assert result.returncode == 0
+    for flag in ("--config", "--strategy", "--precision", "--accumulation_steps", "--set"):
+        assert flag in result.stdout
+    assert "mirrored.cpu_replicas (default: 0)" in result.stdout  # every key --set accepts
+
+
+@pytest.mark.slow
+def test_example_script_trains_a_users_model(tmp_path):
+    # BatchNormalization, Dropout, validation_data and evaluate, under 2 replicas.
+    result = run_command([sys.executable, str(REPO / "examples" / "keras_fit.py"),
+                          "--strategy=mirrored", "--set", "mirrored.cpu_replicas=2",
+                          "--epochs=2"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json_line(result.stdout)
+    assert summary["replicas"] == 2
+    assert summary["val_accuracy"] > 0.5  # 4 classes: better than chance
+    assert summary["evaluate_accuracy"] > 0.5
+
+
+@pytest.mark.slow
+def test_example_script_reports_bad_input_without_a_traceback(tmp_path):
+    result = run_command([sys.executable, str(REPO / "examples" / "keras_fit.py"),
+                          "--strategy=mirored"], cwd=tmp_path)
+    assert result.returncode != 0
+    assert "did you mean 'mirrored'" in result.stderr
+    assert "Traceback" not in result.stderr
