@@ -1,0 +1,126 @@
+"""What tfdist costs: the same training through tfdist and through hand-written tf.distribute.
+
+For `one_device` and `mirrored` (2 logical CPU devices), two identical models train
+on the same data, one built through a tfdist Runner and one through a strategy and
+`model.fit` written by hand (batch, drop_remainder, prefetch: what a careful user
+writes). The two alternate epoch by epoch in one process, so both see the same
+machine load. The first round (tracing) is left out; the figures are medians.
+
+    .venv/bin/python benchmarks/overhead.py [--rounds 9] [--steps 40]
+
+The last line is JSON: `ratio_one_device` and `ratio_mirrored` are tfdist's median
+step time over the hand-written one's (1.00 is no cost; the target is <= 1.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfdist  # noqa: E402
+from tfdist.adapters.mirrored import split_cpu  # noqa: E402
+
+FEATURES, CLASSES, BATCH = 256, 10, 256
+
+
+class EpochTimer(keras.callbacks.Callback):
+    """Wall-clock seconds per step of each epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.step_seconds: list[float] = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start, self._steps = time.perf_counter(), 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps = batch + 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.step_seconds.append((time.perf_counter() - self._start) / self._steps)
+
+
+def build_model() -> keras.Model:
+    return keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(CLASSES, activation="softmax"),
+    ])
+
+
+def examples(steps: int) -> tf.data.Dataset:
+    rng = np.random.default_rng(0)
+    count = steps * BATCH
+    return tf.data.Dataset.from_tensor_slices(
+        (rng.standard_normal((count, FEATURES), dtype=np.float32),
+         rng.integers(0, CLASSES, count).astype(np.int32)))
+
+
+def through_tfdist(strategy_name: str, data: tf.data.Dataset):
+    runner = tfdist.Runner(tfdist.load_config(overrides={
+        "strategy": strategy_name, "precision": "float32", "mirrored.cpu_replicas": 2}))
+    with runner.scope():
+        model = build_model()
+        model.compile(optimizer=runner.optimizer(keras.optimizers.Adam(1e-3)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model, runner.dataset(data, BATCH), runner.callbacks()
+
+
+def by_hand(strategy_name: str, data: tf.data.Dataset):
+    if strategy_name == "mirrored":
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    else:
+        strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model, data.batch(BATCH, drop_remainder=True).prefetch(tf.data.AUTOTUNE), []
+
+
+def measure(strategy_name: str, rounds: int, steps: int) -> dict:
+    data = examples(steps)
+    runs = {"tfdist": through_tfdist(strategy_name, data), "by_hand": by_hand(strategy_name, data)}
+    timers = {name: EpochTimer() for name in runs}
+    for _ in range(rounds):
+        for name, (model, dataset, callbacks) in runs.items():  # interleaved A/B
+            model.fit(dataset, epochs=1, verbose=0, shuffle=False,
+                      callbacks=[*callbacks, timers[name]])
+    medians = {name: statistics.median(timer.step_seconds[1:]) for name, timer in timers.items()}
+    return {"tfdist_step_ms": medians["tfdist"] * 1e3, "by_hand_step_ms": medians["by_hand"] * 1e3,
+            "ratio": medians["tfdist"] / medians["by_hand"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=9, help="epochs per variant; the first is warm-up")
+    parser.add_argument("--steps", type=int, default=40, help="steps per epoch")
+    args = parser.parse_args()
+    split_cpu(2)
+    results = {name: measure(name, args.rounds, args.steps) for name in ("one_device", "mirrored")}
+    print(f"{'strategy':<12} {'tfdist ms/step':>15} {'by hand ms/step':>16} {'ratio':>7}")
+    for name, figures in results.items():
+        print(f"{name:<12} {figures['tfdist_step_ms']:>15.2f} {figures['by_hand_step_ms']:>16.2f} "
+              f"{figures['ratio']:>7.3f}")
+    print(json.dumps({
+        "benchmark": "overhead", "rounds": args.rounds, "steps_per_epoch": args.steps,
+        "global_batch_size": BATCH,
+        **{f"ratio_{name}": round(figures["ratio"], 4) for name, figures in results.items()},
+        **{f"step_ms_{name}": {k: round(v, 3) for k, v in figures.items() if k != "ratio"}
+           for name, figures in results.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()
