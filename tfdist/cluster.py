@@ -299,3 +299,24 @@ def _physical_gpus() -> tuple[GpuInfo, ...]:
         gpus.append(GpuInfo(name=details.get("device_name", device.name),
                             compute_capability=details.get("compute_capability")))
     return tuple(gpus)
+
+
+def slurm_cluster_resolver(gpus_per_node: int):
+    """TensorFlow's `SlurmClusterResolver` for this job step.
+
+    It reads `SLURM_*` itself, so it is built here, in the module that reads the
+    environment. GPUs are counted by the caller (no `nvidia-smi` call), and
+    `CUDA_VISIBLE_DEVICES` is left as Slurm set it.
+
+    Args:
+        gpus_per_node: GPUs each node has (0 on CPU nodes).
+    """
+    import tensorflow as tf
+
+    return tf.distribute.cluster_resolver.SlurmClusterResolver(
+        gpus_per_node=gpus_per_node, auto_set_gpu=False)
+
+
+def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment with `extra` on top, for a child process to inherit."""
+    return {**os.environ, **extra}

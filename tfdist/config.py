@@ -72,6 +72,29 @@ class CrossDeviceOps(str, enum.Enum):
         return self.value
 
 
+class Communication(str, enum.Enum):
+    """The collective implementation `MultiWorkerMirroredStrategy` uses across workers."""
+
+    AUTO = "auto"
+    RING = "ring"
+    NCCL = "nccl"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class AutoShard(str, enum.Enum):
+    """How a dataset is split across workers (`tf.data.experimental.AutoShardPolicy`)."""
+
+    AUTO = "auto"
+    DATA = "data"
+    FILE = "file"
+    OFF = "off"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class DatasetName(str, enum.Enum):
     """The main job's data: real handwritten digits, or synthetic features."""
 
@@ -137,6 +160,25 @@ class MirroredConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MultiWorkerConfig:
+    """Options of the `multi_worker` strategy (synchronous, several machines)."""
+
+    communication: Communication = _field(
+        Communication.AUTO, "Collectives across workers: auto, ring (gRPC) or nccl (GPUs).")
+    timeout_seconds: float = _field(
+        0.0, "Abort a collective that waits longer than this (0: wait forever). "
+             "Turns a dead peer into an error instead of a hang.")
+    auto_shard: AutoShard = _field(
+        AutoShard.AUTO, "How datasets are split across workers: auto, data, file or off.")
+    cpu_replicas: int = _field(
+        0, "Replicas per worker on logical CPU devices, for machines without GPUs (0: one).")
+    workers: tuple[str, ...] = _field(
+        (), "host:port of every worker, chief first, when neither TF_CONFIG nor Slurm sets "
+            "the cluster.")
+    task_index: int = _field(0, "This process's index in `workers`.")
+
+
+@dataclasses.dataclass(frozen=True)
 class TPUConfig:
     """Where the TPU is: the arguments of `TPUClusterResolver`."""
 
@@ -182,7 +224,7 @@ class Config:
             `mixed_bfloat16` on TPU, `float32` elsewhere.
         accumulation_steps: Micro-batches whose gradients make one optimizer update.
         seed: Seeds Python, NumPy and TensorFlow when set, so runs repeat.
-        one_device, mirrored, tpu: Options of those strategies.
+        one_device, mirrored, multi_worker, tpu: Options of those strategies.
         threads: TensorFlow's thread pools.
         train: The main job's settings (`tfdist train`).
 
@@ -201,6 +243,7 @@ class Config:
     seed: int | None = _field(None, "Seed for Python, NumPy and TensorFlow. Unset: not seeded.")
     one_device: OneDeviceConfig = _field(OneDeviceConfig(), "Options of one_device.")
     mirrored: MirroredConfig = _field(MirroredConfig(), "Options of mirrored.")
+    multi_worker: MultiWorkerConfig = _field(MultiWorkerConfig(), "Options of multi_worker.")
     tpu: TPUConfig = _field(TPUConfig(), "Options of tpu.")
     threads: ThreadsConfig = _field(ThreadsConfig(), "TensorFlow thread pools.")
     train: TrainConfig = _field(TrainConfig(), "The main job (tfdist train).")
@@ -410,6 +453,19 @@ def _validate(config: Config) -> None:
     require(not (mirrored.cpu_replicas and mirrored.cross_device_ops is CrossDeviceOps.NCCL),
             "mirrored.cross_device_ops", "nccl", "auto, hierarchical_copy or reduce_to_one "
             "with cpu_replicas: NCCL reduces on GPUs only")
+    multi_worker = config.multi_worker
+    require(multi_worker.cpu_replicas >= 0, "multi_worker.cpu_replicas",
+            multi_worker.cpu_replicas, "an integer >= 0 (replicas per worker on the CPU)")
+    require(multi_worker.timeout_seconds >= 0, "multi_worker.timeout_seconds",
+            multi_worker.timeout_seconds, "a number of seconds >= 0 (0: no timeout)")
+    require(0 <= multi_worker.task_index < max(1, len(multi_worker.workers)),
+            "multi_worker.task_index", multi_worker.task_index,
+            f"an index into multi_worker.workers (0 to {max(0, len(multi_worker.workers) - 1)})")
+    require(all(":" in address for address in multi_worker.workers), "multi_worker.workers",
+            list(multi_worker.workers), "a list of 'host:port' addresses")
+    require(not (multi_worker.cpu_replicas and multi_worker.communication is Communication.NCCL),
+            "multi_worker.communication", "nccl", "auto or ring with cpu_replicas: NCCL "
+            "runs on GPUs only")
     for name in ("inter_op", "intra_op"):
         value = getattr(config.threads, name)
         require(value >= 0, f"threads.{name}", value, "an integer >= 0 (0: TensorFlow's default)")

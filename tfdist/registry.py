@@ -20,6 +20,7 @@ from tfdist.errors import ConfigError
 _BUILTIN: dict[Strategy, str] = {
     Strategy.ONE_DEVICE: "tfdist.adapters.one_device:OneDeviceAdapter",
     Strategy.MIRRORED: "tfdist.adapters.mirrored:MirroredAdapter",
+    Strategy.MULTI_WORKER: "tfdist.adapters.multi_worker:MultiWorkerAdapter",
     Strategy.TPU: "tfdist.adapters.tpu:TPUAdapter",
 }
 _registered: dict[Strategy, type] = {}

@@ -97,12 +97,12 @@ class Runner:
         # The resolved config: what actually runs, written beside the run's outputs.
         self.config = dataclasses.replace(config, strategy=strategy_name,
                                           precision=self.precision.precision)
-        _configure_threads(config.threads)
+        self._adapter = adapter_cls(self.config, self.cluster)
+        _configure_threads(config.threads, default_inter_op=self._adapter.inter_op_threads())
         if config.seed is not None:
             import keras
 
             keras.utils.set_random_seed(config.seed)
-        self._adapter = adapter_cls(self.config, self.cluster)
         self.strategy = self._adapter.strategy
 
     @classmethod
@@ -213,11 +213,17 @@ class Runner:
                                  self.config.to_yaml())
 
 
-def _configure_threads(threads: ThreadsConfig) -> None:
-    """Sets TensorFlow's thread pools, which are fixed once its runtime starts."""
+def _configure_threads(threads: ThreadsConfig, default_inter_op: int = 0) -> None:
+    """Sets TensorFlow's thread pools, which are fixed once its runtime starts.
+
+    Args:
+        threads: The config's thread counts (0: leave to the adapter, then TensorFlow).
+        default_inter_op: The adapter's inter-op count when the config sets none.
+    """
     import tensorflow as tf
 
-    settings = (("inter_op", threads.inter_op, tf.config.threading.set_inter_op_parallelism_threads),
+    inter_op = threads.inter_op or default_inter_op
+    settings = (("inter_op", inter_op, tf.config.threading.set_inter_op_parallelism_threads),
                 ("intra_op", threads.intra_op, tf.config.threading.set_intra_op_parallelism_threads))
     for name, count, setter in settings:
         if not count:

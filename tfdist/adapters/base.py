@@ -53,6 +53,10 @@ class Adapter(abc.ABC):
         """Whether this process does the run's single-writer work (logs, files)."""
         return True
 
+    def inter_op_threads(self) -> int:
+        """Inter-op threads this strategy needs when the config sets none (0: TF's default)."""
+        return 0
+
     def distribute_dataset(self, source: DatasetSource, global_batch_size: int, *,
                            drop_remainder: bool = True) -> Any:
         """Batches unbatched data so step i consumes the same examples under every strategy.
