@@ -1,6 +1,7 @@
 """The `tfdist` command.
 
     tfdist train [--config FILE] [--strategy S] [--precision P] [--set KEY=VALUE ...]
+    tfdist launch -n N [--ps M] [--max_restarts R] -- COMMAND ...
     tfdist env
 
 Bad input (a flag, a config value, the environment) prints one line,
@@ -26,6 +27,8 @@ _USAGE = """usage: tfdist COMMAND [FLAGS]
 commands:
   train   train the reference model with model.fit under the chosen strategy;
           the chief's last line is a JSON object with the result
+  launch  run COMMAND as N local workers (and M parameter servers) with TF_CONFIG set:
+          tfdist launch -n 2 -- tfdist train --strategy multi_worker
   env     print what tfdist detects here: versions, devices, cluster, what auto chooses
 
 Run 'tfdist COMMAND --help' for a command's flags."""
@@ -38,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(_USAGE)
         sys.exit(0 if len(argv) >= 2 else 2)
     command, rest = argv[1], argv[2:]
+    if command == "launch":
+        sys.exit(_launch(rest))
     commands = {"train": _train, "env": _env}
     if command not in commands:
         _fail(f"unknown command '{command}'; use one of {', '.join(commands)} "
@@ -100,6 +105,35 @@ def _train() -> None:
     result = train.run(runner.config, runner=runner)
     if result.pop("is_chief"):
         print(json.dumps(result), flush=True)
+
+
+def _launch(argv: list[str]) -> int:
+    from tfdist import launch
+
+    launcher_args, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
+        if "--" in argv else (argv, [])
+    options = flags.FlagValues()
+    flags.DEFINE_integer("num_workers", 1, "Worker processes.", short_name="n",
+                         flag_values=options)
+    flags.DEFINE_integer("ps", 0, "Parameter servers; with them, a chief coordinates.",
+                         flag_values=options)
+    flags.DEFINE_integer("max_restarts", 0, "Restarts of the whole group after a failure.",
+                         flag_values=options)
+    if "--help" in launcher_args or "-h" in launcher_args:
+        print("usage: tfdist launch -n N [--ps M] [--max_restarts R] -- COMMAND ...\n")
+        print(options.main_module_help() or options.module_help(__name__))
+        return 0
+    try:
+        unparsed = options(["tfdist launch", *launcher_args])
+    except flags.Error as error:
+        _fail(str(error).replace("\n", " "))
+    if len(unparsed) > 1:
+        _fail(f"tfdist launch takes its flags, then '--', then the command; unexpected: "
+              f"{' '.join(unparsed[1:])}")
+    try:
+        return launch.launch(command, options.num_workers, options.ps, options.max_restarts)
+    except ConfigError as error:
+        _fail(str(error))
 
 
 def _env() -> None:

@@ -222,8 +222,17 @@ def _configure_threads(threads: ThreadsConfig, default_inter_op: int = 0) -> Non
     """
     import tensorflow as tf
 
-    inter_op = threads.inter_op or default_inter_op
-    settings = (("inter_op", inter_op, tf.config.threading.set_inter_op_parallelism_threads),
+    if not threads.inter_op and default_inter_op:
+        current = tf.config.threading.get_inter_op_parallelism_threads()
+        try:
+            tf.config.threading.set_inter_op_parallelism_threads(max(current, default_inter_op))
+        except RuntimeError:
+            logging.warning(
+                "tfdist: TensorFlow started before the Runner, so its inter-op threads stay at "
+                "TensorFlow's default; this strategy wants %d, and several processes on one "
+                "machine can deadlock with fewer. Create the Runner before any TensorFlow op, "
+                "or set threads.inter_op.", default_inter_op)
+    settings = (("inter_op", threads.inter_op, tf.config.threading.set_inter_op_parallelism_threads),
                 ("intra_op", threads.intra_op, tf.config.threading.set_intra_op_parallelism_threads))
     for name, count, setter in settings:
         if not count:

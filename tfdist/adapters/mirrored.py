@@ -97,6 +97,9 @@ def split_cpu(replicas: int) -> list[str]:
     try:
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(replicas)])
+        # Named without listing them: listing starts the runtime, and a multi-worker
+        # strategy must configure its collectives before that.
+        return [f"/device:CPU:{index}" for index in range(replicas)]
     except RuntimeError:  # The runtime has started; what it has is what there is.
         pass
     logical = tf.config.list_logical_devices("CPU")

@@ -52,9 +52,17 @@ class MultiWorkerAdapter(Adapter):
             implementation=_IMPLEMENTATIONS[options.communication],
             timeout_seconds=options.timeout_seconds or None)
         keras_compat.apply_multi_worker_fixes()
-        with _cpu_replicas_per_worker(options.cpu_replicas):
-            return tf.distribute.MultiWorkerMirroredStrategy(
-                cluster_resolver=resolver, communication_options=communication)
+        try:
+            with _cpu_replicas_per_worker(options.cpu_replicas):
+                return tf.distribute.MultiWorkerMirroredStrategy(
+                    cluster_resolver=resolver, communication_options=communication)
+        except RuntimeError as error:
+            if "program startup" not in str(error):
+                raise
+            raise ConfigError("strategy multi_worker must start before TensorFlow runs any op "
+                              "(it configures collectives at start-up); create the Runner "
+                              "first in your program. Received: TensorFlow already "
+                              "running") from None
 
     @property
     def num_workers(self) -> int:

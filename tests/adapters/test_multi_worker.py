@@ -1,0 +1,109 @@
+"""multi_worker under Keras 3 model.fit, with real local processes started by tfdist launch."""
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist.cluster import ClusterInfo
+from tests.conftest import REPO, TFDIST, last_json_line, run_command
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(REPO / "tests" / "scripts" / "multi_worker_weights.py")
+TOLERANCE = 1e-5
+
+
+def launch(args, tmp_path, workers=2, timeout=90):
+    return run_command([TFDIST, "launch", "-n", str(workers), "--", *args], cwd=tmp_path,
+                       timeout=timeout)
+
+
+def one_device_weights(optimizer):
+    sys.path.insert(0, str(REPO / "tests" / "scripts"))
+    import multi_worker_weights as job
+    import tensorflow as tf
+
+    start = job.initial_weights()
+    runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device",
+                                                         "precision": "float32"}))
+    with runner.scope():
+        model = job.make_model()
+        model.set_weights(start)
+        model.compile(runner.optimizer(job.make_optimizer(optimizer)),
+                      "sparse_categorical_crossentropy")
+    model.fit(runner.dataset(tf.data.Dataset.from_tensor_slices(job.examples()), job.GLOBAL_BATCH),
+              epochs=job.EPOCHS, shuffle=False, verbose=0)
+    return model.get_weights(), start
+
+
+def test_launch_train_multi_worker_reports_two_replicas(tmp_path):
+    result = launch([TFDIST, "train", "--strategy=multi_worker", "--set", "train.epochs=2"],
+                    tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    chief_lines = [line.removeprefix("[worker:0] ") for line in result.stdout.splitlines()
+                   if line.startswith("[worker:0] {")]
+    summary = last_json_line(chief_lines[-1])
+    assert summary["strategy"] == "multi_worker"
+    assert summary["replicas"] == 2
+    assert summary["accuracy"] > 0.8
+    assert not any(line.startswith("[worker:1] {") for line in result.stdout.splitlines())
+    assert (tmp_path / "tfdist_output" / "config.yaml").exists()  # written once, by the chief
+
+
+@pytest.mark.parametrize("cpu_replicas, optimizer, replicas", [
+    (0, "sgd", 2), (0, "adam", 2), (2, "sgd", 4)])
+def test_equals_one_device(cpu_replicas, optimizer, replicas, tmp_path):
+    out = tmp_path / "weights.npz"
+    result = launch([sys.executable, SCRIPT, str(out), f"--cpu_replicas={cpu_replicas}",
+                     f"--optimizer={optimizer}"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"[worker:1] replicas={replicas} iterations=20" in result.stdout
+    distributed = [array for _, array in sorted(np.load(out).items(),
+                                                key=lambda item: int(item[0].split("_")[1]))]
+    keras.backend.clear_session()
+    reference, start = one_device_weights(optimizer)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(reference, start)) > 1e-2
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(distributed, reference)) < TOLERANCE
+
+
+def test_bare_stack_fails_in_model_fit(tmp_path):
+    result = launch([sys.executable, SCRIPT, str(tmp_path / "w.npz"), "--bare"], tmp_path)
+    assert result.returncode != 0
+    assert "Attempt to convert a value (PerReplica" in result.stdout
+
+
+@pytest.mark.parametrize("fix, symptom", [
+    ("symbolic_build", "Attempt to convert a value (PerReplica"),
+    ("metric_reduction", "Invalid reduction dimension 0 for input with 0 dimensions")])
+def test_each_keras_fix_is_needed(fix, symptom, tmp_path):
+    result = launch([sys.executable, SCRIPT, str(tmp_path / "w.npz"), f"--undo={fix}"], tmp_path)
+    assert result.returncode != 0
+    assert symptom in result.stdout
+
+
+def test_users_model_with_batchnorm_dropout_validation_and_evaluate(tmp_path):
+    result = launch([sys.executable, str(REPO / "examples" / "keras_fit.py"),
+                     "--strategy=multi_worker", "--epochs=2"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    chief = [line.removeprefix("[worker:0] ") for line in result.stdout.splitlines()
+             if line.startswith("[worker:0] {")]
+    summary = last_json_line(chief[-1])
+    assert summary["replicas"] == 2
+    assert summary["evaluate_accuracy"] > 0.5 and summary["val_accuracy"] > 0.5
+
+
+def test_batch_that_does_not_divide_fails_on_every_worker_with_one_line(tmp_path):
+    result = launch([TFDIST, "train", "--strategy=multi_worker",
+                     "--set", "train.global_batch_size=63"], tmp_path)
+    assert result.returncode == 2
+    assert "global_batch_size 63 does not divide across 2 replicas" in result.stdout
+    assert "Traceback" not in result.stdout
+
+
+def test_no_cluster_is_one_line():
+    with pytest.raises(tfdist.ConfigError, match="found no cluster"):
+        tfdist.Runner(tfdist.load_config(overrides={"strategy": "multi_worker"}),
+                      cluster=ClusterInfo())

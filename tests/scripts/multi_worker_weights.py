@@ -1,0 +1,86 @@
+"""Trains a fixed model on fixed data under a tfdist Runner; the chief saves the weights.
+
+Run by tests under `tfdist launch` (one process per worker) to compare with one_device:
+
+    tfdist launch -n 2 -- python tests/scripts/multi_worker_weights.py OUT.npz \
+        [--cpu_replicas N] [--optimizer sgd|adam] [--undo FIX] [--bare]
+
+--undo FIX removes one of tfdist's Keras fixes after the Runner is built, to show the
+bug it fixes. --bare skips tfdist entirely: plain MultiWorkerMirroredStrategy + model.fit.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+EXAMPLES, GLOBAL_BATCH, EPOCHS = 640, 64, 2  # 20 steps
+
+
+def examples():
+    rng = np.random.RandomState(0)
+    return (rng.randn(EXAMPLES, 8).astype("float32"), rng.randint(0, 3, EXAMPLES).astype("int32"))
+
+
+def make_model():
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(3, activation="softmax")])
+
+
+def initial_weights():
+    keras.utils.set_random_seed(11)
+    return [w.copy() for w in make_model().get_weights()]
+
+
+def make_optimizer(name):
+    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--cpu_replicas", type=int, default=0)
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--undo", choices=["symbolic_build", "metric_reduction"])
+    parser.add_argument("--bare", action="store_true")
+    args = parser.parse_args()
+
+    if args.bare:
+        tf.config.threading.set_inter_op_parallelism_threads(4)
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        dataset = tf.data.Dataset.from_tensor_slices(examples())
+        data, is_chief = dataset.batch(GLOBAL_BATCH, drop_remainder=True), None
+    else:
+        import tfdist
+        from tfdist import keras_compat
+
+        runner = tfdist.Runner(tfdist.load_config(overrides={
+            "strategy": "multi_worker", "precision": "float32",
+            "multi_worker.cpu_replicas": args.cpu_replicas}))
+        if args.undo == "symbolic_build":
+            keras_compat.undo_symbolic_build_fix()
+        elif args.undo == "metric_reduction":
+            keras_compat.undo_multi_worker_fixes()
+            keras_compat.fix_symbolic_build_for_multi_worker()
+        dataset = tf.data.Dataset.from_tensor_slices(examples())
+        strategy, data, is_chief = runner.strategy, runner.dataset(dataset, GLOBAL_BATCH), \
+            runner.is_chief
+    start = initial_weights()  # After the strategy: TensorFlow's runtime starts here.
+    with strategy.scope():
+        model = make_model()
+        model.set_weights(start)
+        model.compile(make_optimizer(args.optimizer), "sparse_categorical_crossentropy")
+    history = model.fit(data, epochs=EPOCHS, shuffle=False, verbose=0)
+    print(f"replicas={strategy.num_replicas_in_sync} "
+          f"iterations={int(model.optimizer.iterations.numpy())} loss={history.history['loss']}")
+    if is_chief:
+        np.savez(args.out, *model.get_weights())
+
+
+if __name__ == "__main__":
+    main()
