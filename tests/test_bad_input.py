@@ -20,6 +20,8 @@ from tests.conftest import TFDIST, run_command
 
 TWO_REPLICAS = {"strategy": "mirrored", "mirrored.cpu_replicas": 2}
 TWO_REPLICA_FLAGS = ["--strategy=mirrored", "--set", "mirrored.cpu_replicas=2"]
+TWO_CHIEFS = json.dumps({"cluster": {"chief": ["localhost:1", "localhost:2"]},
+                         "task": {"type": "chief", "index": 0}})
 
 
 def runner(overrides, env=None):
@@ -89,6 +91,17 @@ CASES = [
          "task.index 3 is out of range",
          env={"TF_CONFIG": json.dumps({"cluster": {"worker": ["localhost:1"]},
                                        "task": {"type": "worker", "index": 3}})}),
+    Case("two chiefs in TF_CONFIG", ["--strategy=multi_worker"],
+         lambda d: runner({"strategy": "multi_worker"}, env={"TF_CONFIG": TWO_CHIEFS}),
+         "more than one chief", env={"TF_CONFIG": TWO_CHIEFS}),
+    Case("multi_worker with no cluster", ["--strategy=multi_worker"],
+         lambda d: runner({"strategy": "multi_worker"}, env={}), "found no cluster"),
+    Case("multi_worker task index beyond its workers",
+         ["--set", "multi_worker.workers=[localhost:1, localhost:2]",
+          "--set", "multi_worker.task_index=2"],
+         lambda d: tfdist.load_config(overrides={"multi_worker.workers": ["localhost:1", "localhost:2"],
+                                                 "multi_worker.task_index": 2}),
+         "multi_worker.task_index must be an index into multi_worker.workers (0 to 1)"),
     Case("TPU requested with no TPU", ["--strategy=tpu"],
          lambda d: runner({"strategy": "tpu"}), "found no TPU"),
     Case("NCCL without GPUs", [*TWO_REPLICA_FLAGS[:1], "--set", "mirrored.cross_device_ops=nccl"],

@@ -43,7 +43,8 @@ def test_slurm_variables():
     env = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
            "SLURM_JOB_NODELIST": "node[01-02]"}
     assert detect(env).slurm.__dict__ == {"job_id": "77", "proc_id": 3, "num_tasks": 4,
-                                          "local_id": 1, "node_list": "node[01-02]"}
+                                          "local_id": 1, "node_list": "node[01-02]",
+                                          "tasks_per_node": ""}
 
 
 @pytest.mark.parametrize("env, launcher", [
@@ -100,3 +101,20 @@ def test_malformed_launcher_variable():
 
 def test_real_process_environment_is_read():
     assert isinstance(detect_cluster(), ClusterInfo)
+
+
+
+def test_slurm_job_step_lays_out_one_worker_per_task():
+    env = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+           "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "node[02,01]",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_LOCALID": "1"}
+    slurm = detect(env).slurm
+    assert (slurm.proc_id, slurm.num_tasks, slurm.local_id) == (3, 4, 1)
+    assert slurm.worker_addresses() == ["node01:8888", "node01:8889", "node02:8888", "node02:8889"]
+
+
+def test_slurm_task_count_that_does_not_match_the_nodes():
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_NODELIST": "n[1-2]",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    with pytest.raises(ConfigError, match="4 task slots on n\\[1-2\\] but 3 tasks"):
+        detect(env).slurm.worker_addresses()

@@ -12,7 +12,7 @@ from tfdist.errors import ConfigError
 def test_builtin_lookup():
     assert registry.get("mirrored") is MirroredAdapter
     assert issubclass(registry.get(Strategy.ONE_DEVICE), Adapter)
-    assert registry.available() == ["one_device", "mirrored", "tpu"]
+    assert registry.available() == ["one_device", "mirrored", "multi_worker", "tpu"]
 
 
 def test_unknown_name_lists_the_known_ones():
@@ -20,9 +20,10 @@ def test_unknown_name_lists_the_known_ones():
         registry.get("mirroredd")
 
 
-@pytest.mark.parametrize("name", ["multi_worker", "parameter_server", "horovod"])
+@pytest.mark.parametrize("name", ["parameter_server", "horovod"])
 def test_strategies_without_an_adapter_say_so(name):
-    with pytest.raises(ConfigError, match=f"'{name}' is not available yet.*one_device, mirrored, tpu"):
+    with pytest.raises(ConfigError,
+                       match=f"'{name}' is not available yet.*one_device, mirrored, multi_worker"):
         registry.get(name)
 
 

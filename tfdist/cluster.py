@@ -68,13 +68,43 @@ class TFConfigInfo:
 
 @dataclasses.dataclass(frozen=True)
 class SlurmInfo:
-    """This task's place in a Slurm job step."""
+    """This task's place in a Slurm job step.
+
+    Args:
+        job_id: SLURM_JOB_ID.
+        proc_id: This task's rank in the step (SLURM_PROCID).
+        num_tasks: Tasks in the step.
+        local_id: This task's rank on its node.
+        node_list: The step's nodes, compressed as Slurm writes them ("node[01-02]").
+        tasks_per_node: Tasks on each node, compressed as Slurm writes them ("2(x2)").
+    """
 
     job_id: str
     proc_id: int
     num_tasks: int
     local_id: int
     node_list: str
+    tasks_per_node: str = ""
+
+    def worker_addresses(self, port_base: int = 8888) -> list[str]:
+        """One `host:port` per task, hosts sorted, ranks in Slurm's block order.
+
+        The same layout as TensorFlow's `SlurmClusterResolver`, which cannot be used
+        itself on nodes without GPUs (it hands out tasks by GPU, so such a node gets
+        none). Its hostlist parsers are reused.
+        """
+        from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm
+
+        hosts = slurm.expand_hostlist(self.node_list)
+        counts = (slurm.expand_tasks_per_node(self.tasks_per_node) if self.tasks_per_node
+                  else [self.num_tasks // max(1, len(hosts))] * len(hosts))
+        addresses = [f"{host}:{port_base + offset}"
+                     for host, count in sorted(zip(hosts, counts)) for offset in range(count)]
+        if len(addresses) != self.num_tasks:
+            raise ConfigError(f"Slurm lists {len(addresses)} task slots on {self.node_list} but "
+                              f"{self.num_tasks} tasks; run the job step with srun. Received: "
+                              f"SLURM_STEP_TASKS_PER_NODE={self.tasks_per_node!r}")
+        return addresses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,12 +260,16 @@ def _int_var(env: Mapping[str, str], name: str, default: int | None = None) -> i
 def _slurm(env: Mapping[str, str]) -> SlurmInfo | None:
     if "SLURM_PROCID" not in env:
         return None
+    def first(*names: str) -> str:
+        return next((env[name] for name in names if env.get(name)), "")
+
     return SlurmInfo(
         job_id=env.get("SLURM_JOB_ID", ""),
         proc_id=_int_var(env, "SLURM_PROCID"),
-        num_tasks=_int_var(env, "SLURM_NTASKS", 1),
+        num_tasks=int(first("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or 1),
         local_id=_int_var(env, "SLURM_LOCALID", 0),
-        node_list=env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")),
+        node_list=first("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
+        tasks_per_node=first("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
     )
 
 
@@ -299,22 +333,6 @@ def _physical_gpus() -> tuple[GpuInfo, ...]:
         gpus.append(GpuInfo(name=details.get("device_name", device.name),
                             compute_capability=details.get("compute_capability")))
     return tuple(gpus)
-
-
-def slurm_cluster_resolver(gpus_per_node: int):
-    """TensorFlow's `SlurmClusterResolver` for this job step.
-
-    It reads `SLURM_*` itself, so it is built here, in the module that reads the
-    environment. GPUs are counted by the caller (no `nvidia-smi` call), and
-    `CUDA_VISIBLE_DEVICES` is left as Slurm set it.
-
-    Args:
-        gpus_per_node: GPUs each node has (0 on CPU nodes).
-    """
-    import tensorflow as tf
-
-    return tf.distribute.cluster_resolver.SlurmClusterResolver(
-        gpus_per_node=gpus_per_node, auto_set_gpu=False)
 
 
 def child_environment(extra: Mapping[str, str]) -> dict[str, str]:

@@ -176,6 +176,8 @@ class MultiWorkerConfig:
         (), "host:port of every worker, chief first, when neither TF_CONFIG nor Slurm sets "
             "the cluster.")
     task_index: int = _field(0, "This process's index in `workers`.")
+    slurm_port_base: int = _field(
+        8888, "Under Slurm, the first port of the workers on each node (one port per task).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,6 +463,8 @@ def _validate(config: Config) -> None:
     require(0 <= multi_worker.task_index < max(1, len(multi_worker.workers)),
             "multi_worker.task_index", multi_worker.task_index,
             f"an index into multi_worker.workers (0 to {max(0, len(multi_worker.workers) - 1)})")
+    require(1024 <= multi_worker.slurm_port_base <= 65000, "multi_worker.slurm_port_base",
+            multi_worker.slurm_port_base, "a port number from 1024 to 65000")
     require(all(":" in address for address in multi_worker.workers), "multi_worker.workers",
             list(multi_worker.workers), "a list of 'host:port' addresses")
     require(not (multi_worker.cpu_replicas and multi_worker.communication is Communication.NCCL),

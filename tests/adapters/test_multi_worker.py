@@ -107,3 +107,46 @@ def test_no_cluster_is_one_line():
     with pytest.raises(tfdist.ConfigError, match="found no cluster"):
         tfdist.Runner(tfdist.load_config(overrides={"strategy": "multi_worker"}),
                       cluster=ClusterInfo())
+
+
+def two_consecutive_free_ports() -> int:
+    """A port p such that p and p + 1 are both free now (Slurm gives a node's tasks p, p+1)."""
+    import socket
+
+    from tfdist.launch import free_ports
+
+    for _ in range(100):
+        (port,) = free_ports(1)
+        if port >= 65000:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports found")
+
+
+def test_a_slurm_job_step_trains_without_tf_config(tmp_path):
+    # Two processes with the variables srun sets for 2 tasks on one node, no TF_CONFIG.
+    import os
+    import subprocess
+
+    port = two_consecutive_free_ports()
+    children = []
+    for rank in range(2):
+        env = {"SLURM_JOB_ID": "1", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+               "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost",
+               "SLURM_STEP_TASKS_PER_NODE": "2"}
+        children.append(subprocess.Popen(
+            [TFDIST, "train", "--strategy=auto", "--set", "train.epochs=1",
+             "--set", f"multi_worker.slurm_port_base={port}"],
+            cwd=tmp_path, env={**os.environ, **env}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+    outputs = [child.communicate(timeout=90)[0] for child in children]
+    assert [child.returncode for child in children] == [0, 0], outputs[0][-2000:]
+    summary = last_json_line(outputs[0])
+    assert summary["strategy"] == "multi_worker"  # auto chose it from Slurm's 2 tasks
+    assert summary["replicas"] == 2
+    assert "{" not in outputs[1].splitlines()[-1]  # only the chief reports

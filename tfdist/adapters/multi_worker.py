@@ -25,7 +25,6 @@ from tensorflow.python.distribute import collective_all_reduce_strategy
 from tfdist import keras_compat
 from tfdist.adapters.base import Adapter, DatasetSource, check_global_batch_size
 from tfdist.adapters.mirrored import split_cpu
-from tfdist.cluster import slurm_cluster_resolver
 from tfdist.config import AutoShard, Communication
 from tfdist.errors import ConfigError
 
@@ -153,7 +152,11 @@ class MultiWorkerAdapter(Adapter):
                 spec, task_type=tf_config.task_type, task_id=tf_config.task_index,
                 num_accelerators=accelerators, rpc_layer="grpc")
         if self.cluster.slurm is not None:
-            return slurm_cluster_resolver(gpus_per_node=len(self.cluster.gpus))
+            spec = tf.train.ClusterSpec({"worker": self.cluster.slurm.worker_addresses(
+                options.slurm_port_base)})
+            return tf.distribute.cluster_resolver.SimpleClusterResolver(
+                spec, task_type="worker", task_id=self.cluster.slurm.proc_id,
+                num_accelerators=accelerators, rpc_layer="grpc")
         raise ConfigError("strategy multi_worker found no cluster: set TF_CONFIG (or run under "
                           "tfdist launch, Kubeflow or Slurm), or list multi_worker.workers. "
                           "Received: no TF_CONFIG, no Slurm job, multi_worker.workers=[]")

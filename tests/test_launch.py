@@ -1,0 +1,169 @@
+"""tfdist launch with real processes: topology, output, failure, restarts, Ctrl-C, no orphans."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TFDIST, run_command
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of live processes whose command line contains `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command_line = (entry / "cmdline").read_bytes().decode(errors="replace")
+            state = (entry / "stat").read_text().split(") ", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in command_line and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def python(code: str, marker: str) -> list[str]:
+    """A child command: Python running `code`, with `marker` on its command line."""
+    return [sys.executable, "-c", code, marker]
+
+
+REPORT = """
+import json, os, sys
+config = json.loads(os.environ["TF_CONFIG"])
+print(json.dumps({"task": config["task"], "cluster": config["cluster"],
+                  "passed": os.environ.get("TFDIST_TEST_PASSTHROUGH")}))
+"""
+
+
+def test_each_worker_gets_its_tf_config_and_the_environment(tmp_path):
+    marker = uuid.uuid4().hex
+    result = run_command([TFDIST, "launch", "-n", "3", "--", *python(REPORT, marker)],
+                         cwd=tmp_path, env={"TFDIST_TEST_PASSTHROUGH": "yes"})
+    assert result.returncode == 0, result.stdout
+    reports = {}
+    for line in result.stdout.splitlines():
+        prefix, _, text = line.partition("] ")
+        reports[prefix.lstrip("[")] = json.loads(text)
+    assert set(reports) == {"worker:0", "worker:1", "worker:2"}
+    addresses = reports["worker:0"]["cluster"]["worker"]
+    assert len(set(addresses)) == 3 and all(a.startswith("127.0.0.1:") for a in addresses)
+    for name, report in reports.items():
+        assert report["task"] == {"type": "worker", "index": int(name.split(":")[1])}
+        assert report["cluster"] == {"worker": addresses}
+        assert report["passed"] == "yes"
+
+
+FAIL_ONE = """
+import json, os, subprocess, sys, time
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+if index == 1:
+    time.sleep(1)
+    sys.exit(3)
+subprocess.Popen(["sleep", "300", sys.argv[1]])   # a grandchild
+time.sleep(300)
+"""
+
+
+def test_a_failing_worker_stops_the_group_fast_and_leaves_no_orphans(tmp_path):
+    marker = uuid.uuid4().hex
+    started = time.monotonic()
+    result = run_command([TFDIST, "launch", "-n", "2", "--", *python(FAIL_ONE, marker)],
+                         cwd=tmp_path, timeout=60)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 3
+    assert "worker:1 exited with status 3" in result.stdout
+    assert elapsed < 10, elapsed
+    assert processes_with(marker) == []
+
+
+SERVE_UNTIL_STOPPED = """
+import json, os, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+print(task["type"], task["index"], flush=True)
+if task["type"] == "chief":
+    time.sleep(1)
+    sys.exit(0)
+time.sleep(300)
+"""
+
+
+def test_with_parameter_servers_the_chief_decides_and_servers_are_stopped(tmp_path):
+    marker = uuid.uuid4().hex
+    result = run_command([TFDIST, "launch", "-n", "2", "--ps", "1", "--",
+                          *python(SERVE_UNTIL_STOPPED, marker)], cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stdout
+    for line in ("[chief:0] chief 0", "[worker:0] worker 0", "[worker:1] worker 1", "[ps:0] ps 0"):
+        assert line in result.stdout
+    assert processes_with(marker) == []
+
+
+FAIL_FIRST_TIME = """
+import json, os, sys
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+flag = os.path.join(os.getcwd(), f"ran-{index}")
+if not os.path.exists(flag):
+    open(flag, "w").close()
+    sys.exit(1 if index == 0 else 0)
+print("second run")
+"""
+
+
+def test_max_restarts_restarts_the_whole_group(tmp_path):
+    marker = uuid.uuid4().hex
+    result = run_command([TFDIST, "launch", "-n", "2", "--max_restarts", "1", "--",
+                          *python(FAIL_FIRST_TIME, marker)], cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stdout
+    assert "restarting the group (restart 1 of 1)" in result.stdout
+    assert "[worker:0] second run" in result.stdout
+
+
+def test_without_restarts_a_failure_is_final(tmp_path):
+    result = run_command([TFDIST, "launch", "-n", "2", "--",
+                          *python(FAIL_FIRST_TIME, uuid.uuid4().hex)], cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert "worker:0 exited with status 1" in result.stdout
+
+
+SLEEP = "import time, sys; print('up', flush=True); time.sleep(300)"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_the_launcher_stops_every_child(signum, tmp_path):
+    marker = uuid.uuid4().hex
+    launcher = subprocess.Popen([TFDIST, "launch", "-n", "2", "--", *python(SLEEP, marker)],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    def children():
+        return [pid for pid in processes_with(marker) if pid != launcher.pid]
+
+    deadline = time.monotonic() + 30
+    while len(children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(children()) == 2
+    launcher.send_signal(signum)
+    output, _ = launcher.communicate(timeout=20)
+    assert launcher.returncode == 130, output
+    assert "interrupted; stopping every task" in output
+    assert processes_with(marker) == []
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["-n", "0", "--", "true"], "-n must be an integer >= 1"),
+    (["-n", "2"], "needs a command after '--'"),
+    (["-n", "two", "--", "true"], "flag --num_workers=two"),
+    (["--ps", "-1", "-n", "1", "--", "true"], "--ps must be an integer >= 0"),
+    (["-n", "1", "stray", "--", "true"], "unexpected: stray"),
+])
+def test_bad_input(args, fragment, tmp_path):
+    result = run_command([TFDIST, "launch", *args], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert fragment in result.stderr
