@@ -25,6 +25,8 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/precision.py
+	$(BIN)/python benchmarks/scaling.py
+	$(BIN)/python benchmarks/allreduce.py
 
 clean:
 	rm -rf $(VENV) tfdist_output benchmarks/results .pytest_cache

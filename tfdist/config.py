@@ -214,6 +214,7 @@ class TrainConfig:
     synthetic_examples: int = _field(4096, "Training examples in the synthetic dataset.")
     synthetic_features: int = _field(256, "Features per synthetic example.")
     output_dir: str = _field("tfdist_output", "Where the chief writes the resolved config and result.")
+    tensorboard: bool = _field(False, "Write TensorBoard logs to output_dir/tensorboard (chief).")
 
 
 @dataclasses.dataclass(frozen=True)

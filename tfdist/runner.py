@@ -17,9 +17,12 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
+import shutil
+import tempfile
 from typing import Any, Iterator
 
 from absl import logging
@@ -200,6 +203,28 @@ class Runner:
     def callbacks(self) -> list[Any]:
         """Keras callbacks to add to `model.fit` for this strategy."""
         return self._adapter.callbacks()
+
+    def writable_dir(self, directory: str | os.PathLike) -> str:
+        """Where this process writes what only the chief should keep.
+
+        Some writers must run on every worker (a checkpoint of mirrored variables,
+        for one), but only the chief's files should remain. The chief gets
+        `directory`; every other process gets a private temporary folder, removed
+        when the process exits.
+
+        Args:
+            directory: The run's folder for these files.
+
+        Example:
+
+            keras.callbacks.TensorBoard(runner.writable_dir("runs/a/tensorboard"))
+        """
+        if self.is_chief:
+            os.makedirs(directory, exist_ok=True)
+            return os.fspath(directory)
+        scratch = tempfile.mkdtemp(prefix="tfdist-not-chief-")
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        return scratch
 
     def save_config(self, directory: str | os.PathLike) -> str | None:
         """Writes the resolved config to `directory/config.yaml`, on the chief only.

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from typing import Any
@@ -19,6 +20,7 @@ import keras
 from tfdist import data
 from tfdist.callbacks import Throughput
 from tfdist.config import Config, OptimizerName, TrainConfig
+from tfdist.errors import ConfigError
 from tfdist.files import atomic_write_text
 from tfdist.runner import Runner
 
@@ -66,6 +68,10 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
     """
     runner = Runner(config) if runner is None else runner
     job = runner.config.train
+    if job.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("train.tensorboard needs the tensorboard package; pip install "
+                          "tensorboard, or set train.tensorboard=false. "
+                          "Received: train.tensorboard=true")
     splits = data.load(job)
     train_data = splits.train.shuffle(splits.num_train, seed=runner.config.seed or 0,
                                       reshuffle_each_iteration=True)
@@ -75,8 +81,12 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
         model.compile(optimizer=runner.optimizer(make_optimizer(job)),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     throughput = Throughput(job.global_batch_size)
+    callbacks = [*runner.callbacks(), throughput]
+    if job.tensorboard:
+        callbacks.append(keras.callbacks.TensorBoard(
+            runner.writable_dir(os.path.join(job.output_dir, "tensorboard"))))
     history = model.fit(runner.dataset(train_data, job.global_batch_size), epochs=job.epochs,
-                        callbacks=[*runner.callbacks(), throughput],
+                        callbacks=callbacks,
                         shuffle=False,  # The dataset shuffles itself, once per epoch.
                         verbose=1 if runner.is_chief else 0)
     test_loss, test_accuracy = model.evaluate(

@@ -150,3 +150,26 @@ def test_a_slurm_job_step_trains_without_tf_config(tmp_path):
     assert summary["strategy"] == "multi_worker"  # auto chose it from Slurm's 2 tasks
     assert summary["replicas"] == 2
     assert "{" not in outputs[1].splitlines()[-1]  # only the chief reports
+
+
+def test_only_the_chief_leaves_files(tmp_path):
+    # Each worker runs in its own folder, so a file left by worker 1 would show.
+    for index in (0, 1):
+        (tmp_path / f"w{index}").mkdir()
+    script = ("import os, json, subprocess, sys; "
+              "index = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
+              "os.chdir(f'w{index}'); "
+              "sys.exit(subprocess.call(sys.argv[1:]))")
+    result = launch([sys.executable, "-c", script, TFDIST, "train", "--strategy=multi_worker",
+                     "--set", "train.epochs=1", "--set", "train.tensorboard=true"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    chief = tmp_path / "w0" / "tfdist_output"
+    assert (chief / "config.yaml").exists() and (chief / "result.json").exists()
+    assert list((chief / "tensorboard").rglob("events.out.tfevents.*"))
+    assert list((tmp_path / "w1").iterdir()) == []  # nothing kept by worker 1
+
+
+def test_writable_dir_is_the_folder_itself_on_the_chief(tmp_path):
+    runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device"}))
+    assert runner.writable_dir(tmp_path / "tb") == str(tmp_path / "tb")
+    assert (tmp_path / "tb").is_dir()

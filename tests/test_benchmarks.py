@@ -1,0 +1,25 @@
+"""Each benchmark runs and ends with its JSON line. Nothing here is timed or compared."""
+
+import sys
+
+import pytest
+
+from tests.conftest import REPO, last_json_line, run_command
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("script, args, keys", [
+    ("overhead.py", ["--rounds", "2", "--steps", "2"], {"ratio_one_device", "ratio_mirrored"}),
+    ("precision.py", ["--rounds", "2", "--steps", "2"], {"speedup_bf16", "matmul_gflops"}),
+    ("scaling.py", ["--repeats", "1", "--epochs", "2", "--steps", "2"], {"efficiency"}),
+    ("allreduce.py", ["--repeats", "2"], {"ring_64mb_gbps", "memcpy_64mb_gbps"}),
+])
+def test_benchmark_prints_its_figures(script, args, keys, tmp_path):
+    result = run_command([sys.executable, str(REPO / "benchmarks" / script), *args],
+                         cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    figures = last_json_line(result.stdout)
+    assert keys <= set(figures)
+    assert all(value > 0 for key, value in figures.items()
+               if key in keys and isinstance(value, (int, float)))
