@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,26 +26,10 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
+from tfdist.callbacks import Throughput  # noqa: E402
 from tfdist.adapters.mirrored import split_cpu  # noqa: E402
 
 FEATURES, CLASSES, BATCH = 256, 10, 256
-
-
-class EpochTimer(keras.callbacks.Callback):
-    """Wall-clock seconds per step of each epoch."""
-
-    def __init__(self):
-        super().__init__()
-        self.step_seconds: list[float] = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start, self._steps = time.perf_counter(), 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._steps = batch + 1
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.step_seconds.append((time.perf_counter() - self._start) / self._steps)
 
 
 def build_model() -> keras.Model:
@@ -92,12 +74,13 @@ def by_hand(strategy_name: str, data: tf.data.Dataset):
 def measure(strategy_name: str, rounds: int, steps: int) -> dict:
     data = examples(steps)
     runs = {"tfdist": through_tfdist(strategy_name, data), "by_hand": by_hand(strategy_name, data)}
-    timers = {name: EpochTimer() for name in runs}
+    timers = {name: Throughput(BATCH) for name in runs}  # one rate per fit call
     for _ in range(rounds):
         for name, (model, dataset, callbacks) in runs.items():  # interleaved A/B
             model.fit(dataset, epochs=1, verbose=0, shuffle=False,
                       callbacks=[*callbacks, timers[name]])
-    medians = {name: statistics.median(timer.step_seconds[1:]) for name, timer in timers.items()}
+    # Seconds per step from the median rate over rounds after the first.
+    medians = {name: BATCH / timer.examples_per_sec for name, timer in timers.items()}
     return {"tfdist_step_ms": medians["tfdist"] * 1e3, "by_hand_step_ms": medians["by_hand"] * 1e3,
             "ratio": medians["tfdist"] / medians["by_hand"]}
 

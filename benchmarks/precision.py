@@ -28,26 +28,10 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
+from tfdist.callbacks import Throughput  # noqa: E402
 
 FEATURES, WIDTH, CLASSES, BATCH = 1024, 2048, 10, 512
 MATMUL_SIZE = 2048
-
-
-class EpochTimer(keras.callbacks.Callback):
-    """Wall-clock seconds per step of each epoch."""
-
-    def __init__(self):
-        super().__init__()
-        self.step_seconds: list[float] = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start, self._steps = time.perf_counter(), 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._steps = batch + 1
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.step_seconds.append((time.perf_counter() - self._start) / self._steps)
 
 
 def build_model() -> keras.Model:
@@ -94,11 +78,12 @@ def main() -> None:
             model = build_model()
             model.compile(optimizer=runner.optimizer(keras.optimizers.Adam(1e-4)),
                           loss="sparse_categorical_crossentropy")
-        runs[precision] = (model, runner.dataset(data, BATCH), EpochTimer())
+        runs[precision] = (model, runner.dataset(data, BATCH), Throughput(BATCH))
     for _ in range(args.rounds):
         for model, dataset, timer in runs.values():  # interleaved A/B
             model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
-    step_ms = {p: statistics.median(t.step_seconds[1:]) * 1e3 for p, (_, _, t) in runs.items()}
+    # Median rate over rounds after the first, as milliseconds per step.
+    step_ms = {p: BATCH / t.examples_per_sec * 1e3 for p, (_, _, t) in runs.items()}
     gflops = {"float32": matmul_gflops(tf.float32), "bfloat16": matmul_gflops(tf.bfloat16)}
     speedup = step_ms["float32"] / step_ms["mixed_bfloat16"]
 

@@ -135,12 +135,20 @@ def test_without_restarts_a_failure_is_final(tmp_path):
 SLEEP = "import time, sys; print('up', flush=True); time.sleep(300)"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_interrupting_the_launcher_stops_every_child(signum, tmp_path):
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("signum, started_ignoring_sigint", [
+    (signal.SIGINT, False), (signal.SIGTERM, False),
+    # As a background job of a non-interactive shell starts it (CI, nohup scripts).
+    (signal.SIGINT, True)])
+def test_interrupting_the_launcher_stops_every_child(signum, started_ignoring_sigint, tmp_path):
     marker = uuid.uuid4().hex
     launcher = subprocess.Popen([TFDIST, "launch", "-n", "2", "--", *python(SLEEP, marker)],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+                                text=True,
+                                preexec_fn=_ignore_sigint if started_ignoring_sigint else None)
     def children():
         return [pid for pid in processes_with(marker) if pid != launcher.pid]
 

@@ -33,7 +33,14 @@ import yaml
 from tfdist.errors import ConfigError
 
 
-class Strategy(str, enum.Enum):
+class _Choice(str, enum.Enum):
+    """A closed set of strings that prints and serialises as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Strategy(_Choice):
     """How training is placed on devices and machines."""
 
     AUTO = "auto"
@@ -44,11 +51,8 @@ class Strategy(str, enum.Enum):
     TPU = "tpu"
     HOROVOD = "horovod"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Precision(str, enum.Enum):
+class Precision(_Choice):
     """A Keras dtype policy, or `auto` to choose one from the hardware."""
 
     FLOAT32 = "float32"
@@ -56,11 +60,8 @@ class Precision(str, enum.Enum):
     MIXED_BFLOAT16 = "mixed_bfloat16"
     AUTO = "auto"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class CrossDeviceOps(str, enum.Enum):
+class CrossDeviceOps(_Choice):
     """How `MirroredStrategy` reduces gradients across its devices."""
 
     AUTO = "auto"
@@ -68,22 +69,16 @@ class CrossDeviceOps(str, enum.Enum):
     HIERARCHICAL_COPY = "hierarchical_copy"
     REDUCE_TO_ONE = "reduce_to_one"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Communication(str, enum.Enum):
+class Communication(_Choice):
     """The collective implementation `MultiWorkerMirroredStrategy` uses across workers."""
 
     AUTO = "auto"
     RING = "ring"
     NCCL = "nccl"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class AutoShard(str, enum.Enum):
+class AutoShard(_Choice):
     """How a dataset is split across workers (`tf.data.experimental.AutoShardPolicy`)."""
 
     AUTO = "auto"
@@ -91,28 +86,19 @@ class AutoShard(str, enum.Enum):
     FILE = "file"
     OFF = "off"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class DatasetName(str, enum.Enum):
+class DatasetName(_Choice):
     """The main job's data: real handwritten digits, or synthetic features."""
 
     DIGITS = "digits"
     SYNTHETIC = "synthetic"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class OptimizerName(str, enum.Enum):
+class OptimizerName(_Choice):
     """The main job's optimizer."""
 
     ADAM = "adam"
     SGD = "sgd"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # Accepted spellings beyond each member's own value: a closed, small table.

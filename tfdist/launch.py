@@ -205,16 +205,23 @@ def _signal_group(process: subprocess.Popen, signum: int) -> None:
 
 @contextlib.contextmanager
 def _signals_raise_keyboard_interrupt():
-    """SIGTERM to the launcher stops the group as Ctrl-C does."""
+    """SIGINT and SIGTERM to the launcher stop the group.
+
+    SIGINT is handled explicitly too: a process started in the background by a
+    non-interactive shell inherits SIGINT as ignored, and Python then installs no
+    Ctrl-C handler of its own.
+    """
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    previous = {}
     try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, interrupt)
     except ValueError:  # Not the main thread: leave signals alone.
-        yield
-        return
+        pass
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
