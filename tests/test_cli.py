@@ -28,7 +28,7 @@ def test_train_as_make_demo_runs_it(tmp_path):
     assert summary["accuracy"] > 0.85  # digits after 3 epochs
     assert summary["examples_per_sec"] > 0
     assert "Epoch 3/3" in result.stdout  # the chief's Keras progress bar
-    assert "strategy mirrored (2 replicas)" in result.stderr
+    assert "strategy mirrored (2 replicas; requested)" in result.stderr
     # The chief wrote the resolved config and the result beside each other.
     written = tfdist.load_config(tmp_path / "out" / "config.yaml")
     assert written.strategy is tfdist.Strategy.MIRRORED
@@ -44,6 +44,7 @@ def test_train_auto_with_bfloat16(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = last_json_line(result.stdout)
     assert summary["strategy"] in {"one_device", "mirrored"}  # no TPU or cluster here
+    assert f"strategy {summary['strategy']} (1 replica; auto: " in result.stderr  # and why
     assert summary["precision"] == "mixed_bfloat16"
     written = yaml.safe_load((tmp_path / "tfdist_output" / "config.yaml").read_text())
     assert written["strategy"] == summary["strategy"]  # auto is resolved in the saved config

@@ -99,9 +99,9 @@ def _train() -> None:
     runner = Runner(config)
     if runner.is_chief:
         replicas = f"{runner.num_replicas} replica{'' if runner.num_replicas == 1 else 's'}"
-        print(f"tfdist: strategy {runner.strategy_name.value} ({replicas}), "
-              f"precision {runner.precision.name} ({runner.precision.reason})",
-              file=sys.stderr, flush=True)
+        print(f"tfdist: strategy {runner.strategy_name.value} ({replicas}; "
+              f"{runner.strategy_reason}), precision {runner.precision.name} "
+              f"({runner.precision.reason})", file=sys.stderr, flush=True)
     result = train.run(runner.config, runner=runner)
     if result.pop("is_chief"):
         print(json.dumps(result), flush=True)
@@ -121,7 +121,7 @@ def _launch(argv: list[str]) -> int:
                          flag_values=options)
     if "--help" in launcher_args or "-h" in launcher_args:
         print("usage: tfdist launch -n N [--ps M] [--max_restarts R] -- COMMAND ...\n")
-        print(options.main_module_help() or options.module_help(__name__))
+        print(options.module_help(__name__).replace(f"{__name__}:", "flags:"))
         return 0
     try:
         unparsed = options(["tfdist launch", *launcher_args])

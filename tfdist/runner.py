@@ -86,9 +86,10 @@ class Runner:
         self.cluster = detect_cluster() if cluster is None else cluster
         if config.strategy is Strategy.AUTO:
             strategy_name, reason = choose_strategy(self.cluster)
+            self.strategy_reason = f"auto: {reason}"
             logging.info("tfdist: strategy auto chose %s: %s", strategy_name.value, reason)
         else:
-            strategy_name = config.strategy
+            strategy_name, self.strategy_reason = config.strategy, "requested"
         if config.accumulation_steps > 1:
             raise ConfigError("accumulation_steps > 1 is not available yet in this version of "
                               "tfdist; use accumulation_steps: 1. "
