@@ -12,7 +12,7 @@ DEMO_FLAGS ?= --set mirrored.cpu_replicas=2
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/install_horovod.sh
 	PYTHON=$(PYTHON) TF_BUILD=$(TF_BUILD) scripts/setup.sh
 	touch $@
 

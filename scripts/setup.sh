@@ -4,7 +4,8 @@
 #   scripts/setup.sh                 # CPU build of TensorFlow
 #   TF_BUILD=gpu scripts/setup.sh    # tensorflow[and-cuda]: CUDA and cuDNN come from pip
 #
-# The Makefile runs it; `make setup` is the usual way in.
+# The Makefile runs it; `make setup` is the usual way in. Horovod is built by
+# scripts/install_horovod.sh (a few minutes the first time on a machine, then cached).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,3 +40,7 @@ fi
 echo "setup: installing tfdist[$TF_BUILD,test] into $VENV"
 "$VENV/bin/python" -m pip install -q -e ".[$TF_BUILD,test]"
 "$VENV/bin/python" -c "import tensorflow as tf, keras; print(f'setup: TensorFlow {tf.__version__}, Keras {keras.__version__}')"
+
+# Horovod, built against this TensorFlow (see the script for why); cached after the first
+# time. On a GPU machine with the CUDA toolkit and NCCL: HOROVOD_GPU_OPERATIONS=NCCL.
+scripts/install_horovod.sh

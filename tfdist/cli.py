@@ -155,10 +155,22 @@ def _env() -> None:
                      "tensorflow": tf.__version__, "keras": keras.__version__},
         "cluster": cluster.to_dict(),
         "strategies_available": registry.available(),
+        "horovod": _horovod_build(),
         "auto": {"strategy": strategy.value, "why": reason,
                  "precision": precision.name, "precision_why": precision.reason},
     }
     print(json.dumps(report, indent=2, default=str))
+
+
+def _horovod_build() -> dict:
+    """Horovod's version and what it was built with, or how to get it."""
+    try:
+        import horovod
+        import horovod.tensorflow as hvd
+    except ImportError:
+        return {"installed": False, "install": "scripts/install_horovod.sh (make setup runs it)"}
+    return {"installed": True, "version": horovod.__version__, "mpi": bool(hvd.mpi_built()),
+            "gloo": bool(hvd.gloo_built()), "nccl": bool(hvd.nccl_built())}
 
 
 if __name__ == "__main__":
