@@ -27,7 +27,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
 from tfdist.callbacks import Throughput  # noqa: E402
-from tfdist.adapters.mirrored import split_cpu  # noqa: E402
+from tfdist.devices import split_cpu  # noqa: E402
 
 FEATURES, CLASSES, BATCH = 256, 10, 256
 

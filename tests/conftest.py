@@ -12,7 +12,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tfdist.adapters.mirrored import split_cpu
+from tfdist.devices import split_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 TFDIST = str(Path(sys.executable).with_name("tfdist"))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.adapters.mirrored import split_cpu
+from tfdist.devices import split_cpu
 from tfdist.config import load_config
 from tfdist.errors import ConfigError
 from tfdist.runner import Runner

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfdist.adapters.base import Adapter, check_device
 from tfdist.config import CrossDeviceOps
+from tfdist.devices import split_cpu
 from tfdist.errors import ConfigError
 
 
@@ -28,7 +29,7 @@ class MirroredAdapter(Adapter):
     def create_strategy(self) -> tf.distribute.Strategy:
         options = self.config.mirrored
         if options.cpu_replicas:
-            devices = split_cpu(options.cpu_replicas)
+            devices = split_cpu(options.cpu_replicas, key="mirrored.cpu_replicas")
         elif options.devices:
             devices = [check_device(d, self.cluster, "mirrored.devices") for d in options.devices]
         else:
@@ -79,33 +80,3 @@ def new_mirrored_strategy(devices: list[str] | None,
             return strategy_cls(devices=devices, cross_device_ops=cross_device_ops)
         finally:
             strategy_cls._collective_key_base = previous
-
-
-def split_cpu(replicas: int) -> list[str]:
-    """Splits the first CPU into `replicas` logical devices and returns their names.
-
-    TensorFlow fixes its devices when its runtime starts. Before that, the split
-    is set here; after it, an existing split with enough devices is reused.
-
-    Args:
-        replicas: Logical CPU devices wanted.
-
-    Raises:
-        ConfigError: TensorFlow already started with fewer CPU devices.
-    """
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(replicas)])
-        # Named without listing them: listing starts the runtime, and a multi-worker
-        # strategy must configure its collectives before that.
-        return [f"/device:CPU:{index}" for index in range(replicas)]
-    except RuntimeError:  # The runtime has started; what it has is what there is.
-        pass
-    logical = tf.config.list_logical_devices("CPU")
-    if len(logical) < replicas:
-        raise ConfigError(f"mirrored.cpu_replicas={replicas} needs {replicas} logical CPU "
-                          f"devices, but TensorFlow already started with {len(logical)}; create "
-                          f"the Runner before any TensorFlow op runs, or use a fresh process. "
-                          f"Received: mirrored.cpu_replicas={replicas}")
-    return [device.name for device in logical[:replicas]]

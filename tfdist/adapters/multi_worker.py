@@ -24,8 +24,8 @@ from tensorflow.python.distribute import collective_all_reduce_strategy
 
 from tfdist import keras_compat
 from tfdist.adapters.base import Adapter, DatasetSource, check_global_batch_size
-from tfdist.adapters.mirrored import split_cpu
 from tfdist.config import AutoShard, Communication
+from tfdist.devices import split_cpu
 from tfdist.errors import ConfigError
 
 _IMPLEMENTATIONS = {
@@ -177,7 +177,7 @@ def _cpu_replicas_per_worker(replicas: int) -> Iterator[None]:
     if not replicas:
         yield
         return
-    split_cpu(replicas)
+    split_cpu(replicas, key="multi_worker.cpu_replicas")
     extended_cls = collective_all_reduce_strategy.CollectiveAllReduceExtended
     with _local_devices_lock:
         original = extended_cls._initialize_local_devices
