@@ -73,6 +73,8 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
                           "tensorboard, or set train.tensorboard=false. "
                           "Received: train.tensorboard=true")
     splits = data.load(job)
+    # One seed on every worker: each takes its shard of the same order, so together
+    # they see every example once per epoch.
     train_data = splits.train.shuffle(splits.num_train, seed=runner.config.seed or 0,
                                       reshuffle_each_iteration=True)
     with runner.scope():
