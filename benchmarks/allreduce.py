@@ -87,13 +87,13 @@ def main() -> None:
     if args.worker:
         worker(args.repeats)
         return
-    from tfdist.launch import launch
+    from tfdist.launch import launch, task_output
 
     output = io.StringIO()
     status = launch([sys.executable, os.path.abspath(__file__), "--worker",
                      f"--repeats={args.repeats}"], 2, output=output)
-    lines = [line.split("] ", 1)[1] for line in output.getvalue().splitlines()
-             if line.startswith("[worker:0] {")]
+    lines = [line for line in task_output(output.getvalue(), "worker:0")
+             if line.startswith("{")]
     if status != 0 or not lines:
         raise SystemExit(f"the workers failed:\n{output.getvalue()[-3000:]}")
     ring = json.loads(lines[-1])["ring"]

@@ -75,14 +75,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_group(workers: int, args: argparse.Namespace) -> dict:
-    from tfdist.launch import launch
+    from tfdist.launch import launch, task_output
 
     output = io.StringIO()
     status = launch([sys.executable, os.path.abspath(__file__), "--worker",
                      f"--epochs={args.epochs}", f"--steps={args.steps}",
                      "--pin" if args.pin else "--no-pin"], workers, output=output)
-    lines = [line.split("] ", 1)[1] for line in output.getvalue().splitlines()
-             if line.startswith("[worker:0] {")]
+    lines = [line for line in task_output(output.getvalue(), "worker:0")
+             if line.startswith("{")]
     if status != 0 or not lines:
         raise SystemExit(f"the {workers}-worker run failed:\n{output.getvalue()[-3000:]}")
     return json.loads(lines[-1])

@@ -52,6 +52,21 @@ class Task:
         return f"{self.task_type}:{self.index}"
 
 
+def task_output(text: str, task: str) -> list[str]:
+    """The lines one task printed, from the launcher's prefixed output.
+
+    Args:
+        text: What the launcher wrote.
+        task: The task's name, such as "worker:0" or "chief:0".
+
+    Example:
+
+        json.loads(task_output(output, "worker:0")[-1])   # the chief's last line
+    """
+    prefix = f"[{task}] "
+    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+
+
 def cluster_spec(num_workers: int, num_ps: int = 0, host: str = LOOPBACK) -> dict[str, list[str]]:
     """A cluster on free ports of `host`: N workers, or a chief, N workers and M ps.
 

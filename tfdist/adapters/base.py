@@ -83,7 +83,7 @@ class Adapter(abc.ABC):
         check_global_batch_size(global_batch_size, replicas)
         if isinstance(source, tf.data.Dataset):
             dataset = source
-        elif callable(source):
+        else:
             # One process feeds every replica, so there is one input pipeline. The
             # function gets the context `distribute_datasets_from_function` would give
             # it, but the result is batched globally, as a plain dataset: TensorFlow
@@ -92,17 +92,9 @@ class Adapter(abc.ABC):
             # one step past the data each epoch, and that step still increments
             # `optimizer.iterations`, which shifts Adam's bias correction and every
             # learning-rate schedule (the symptom of tensorflow/tensorflow#30636).
-            dataset = source(tf.distribute.InputContext(
+            dataset = call_dataset_function(source, tf.distribute.InputContext(
                 num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=replicas))
-            if not isinstance(dataset, tf.data.Dataset):
-                raise ConfigError("the dataset function must return a tf.data.Dataset. "
-                                  f"Received: {type(dataset).__name__}")
-        else:
-            raise ConfigError("runner.dataset needs a tf.data.Dataset or a function of "
-                              "tf.distribute.InputContext returning one. "
-                              f"Received: {type(source).__name__}")
-        return dataset.batch(global_batch_size, drop_remainder=drop_remainder).prefetch(
-            tf.data.AUTOTUNE)
+        return batched(dataset, global_batch_size, drop_remainder)
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         """Returns the optimizer this strategy trains with. The base keeps it as it is."""
@@ -111,6 +103,29 @@ class Adapter(abc.ABC):
     def callbacks(self) -> list[Any]:
         """Keras callbacks this strategy needs in `model.fit`. The base needs none."""
         return []
+
+
+def batched(dataset: tf.data.Dataset, batch_size: int, drop_remainder: bool) -> tf.data.Dataset:
+    """The dataset in batches, prefetched so input overlaps the step."""
+    return dataset.batch(batch_size, drop_remainder=drop_remainder).prefetch(tf.data.AUTOTUNE)
+
+
+def call_dataset_function(source: Any, context: tf.distribute.InputContext) -> tf.data.Dataset:
+    """Calls a user's dataset function, or raises ConfigError for what is not one.
+
+    Args:
+        source: What the user passed as `runner.dataset`'s source (not a Dataset).
+        context: The input pipeline's context.
+    """
+    if not callable(source):
+        raise ConfigError("runner.dataset needs a tf.data.Dataset or a function of "
+                          "tf.distribute.InputContext returning one. "
+                          f"Received: {type(source).__name__}")
+    dataset = source(context)
+    if not isinstance(dataset, tf.data.Dataset):
+        raise ConfigError("the dataset function must return a tf.data.Dataset. "
+                          f"Received: {type(dataset).__name__}")
+    return dataset
 
 
 def check_global_batch_size(global_batch_size: Any, replicas: int) -> None:

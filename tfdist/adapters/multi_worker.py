@@ -23,7 +23,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy
 
 from tfdist import keras_compat
-from tfdist.adapters.base import Adapter, DatasetSource, check_global_batch_size
+from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_function,
+                                  check_global_batch_size)
 from tfdist.config import AutoShard, Communication
 from tfdist.devices import split_cpu
 from tfdist.errors import ConfigError
@@ -64,12 +65,6 @@ class MultiWorkerAdapter(Adapter):
                               "running") from None
 
     @property
-    def num_workers(self) -> int:
-        """Processes that train in sync: the chief and the workers."""
-        spec = self.strategy.cluster_resolver.cluster_spec().as_dict()
-        return len(spec.get("chief", ())) + len(spec.get("worker", ()))
-
-    @property
     def is_chief(self) -> bool:
         """The chief task, or worker 0 when the cluster has no chief."""
         resolver = self.strategy.cluster_resolver
@@ -98,12 +93,8 @@ class MultiWorkerAdapter(Adapter):
             options = tf.data.Options()
             options.experimental_distribute.auto_shard_policy = _SHARD_POLICIES[
                 self.config.multi_worker.auto_shard]
-            return source.batch(global_batch_size, drop_remainder=drop_remainder).prefetch(
-                tf.data.AUTOTUNE).with_options(options)
-        if not callable(source):
-            return super().distribute_dataset(source, global_batch_size,
-                                              drop_remainder=drop_remainder)
-        if strategy.extended._num_devices_per_worker > 1:
+            return batched(source, global_batch_size, drop_remainder).with_options(options)
+        if callable(source) and strategy.extended._num_devices_per_worker > 1:
             # TensorFlow counts such a dataset's cardinality in per-replica batches and
             # Keras 3 takes that as steps (see Adapter.distribute_dataset): with more
             # than one replica per worker, fit would take phantom steps.
@@ -111,16 +102,10 @@ class MultiWorkerAdapter(Adapter):
                               "not supported yet; pass an unbatched tf.data.Dataset instead. "
                               f"Received: multi_worker.cpu_replicas="
                               f"{self.config.multi_worker.cpu_replicas}")
-
-        def per_worker(context: tf.distribute.InputContext) -> tf.data.Dataset:
-            dataset = source(context)
-            if not isinstance(dataset, tf.data.Dataset):
-                raise ConfigError("the dataset function must return a tf.data.Dataset. "
-                                  f"Received: {type(dataset).__name__}")
-            return dataset.batch(context.get_per_replica_batch_size(global_batch_size),
-                                 drop_remainder=drop_remainder).prefetch(tf.data.AUTOTUNE)
-
-        return strategy.distribute_datasets_from_function(per_worker)
+        return strategy.distribute_datasets_from_function(
+            lambda context: batched(call_dataset_function(source, context),
+                                    context.get_per_replica_batch_size(global_batch_size),
+                                    drop_remainder))
 
     def _expected_workers(self) -> int:
         options = self.config.multi_worker
