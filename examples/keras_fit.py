@@ -3,6 +3,8 @@
     python examples/keras_fit.py --strategy one_device
     python examples/keras_fit.py --config strategies/mirrored.yaml --set mirrored.cpu_replicas=2
     python examples/keras_fit.py --strategy mirrored --precision mixed_bfloat16 --epochs 5
+    tfdist launch -n 2 -- python examples/keras_fit.py --strategy multi_worker
+    mpirun -np 2 python examples/keras_fit.py --strategy horovod
 
 tfdist adds --config, --strategy, --precision, --accumulation_steps and --set KEY=VALUE;
 the script adds its own flags beside them. The chief prints a JSON line at the end.

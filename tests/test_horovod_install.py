@@ -1,7 +1,6 @@
 """The Horovod that set-up builds (scripts/install_horovod.sh): its flags, and its
-collectives under real `mpirun` and `horovodrun` with 2 ranks.
-
-The Horovod adapter itself is not part of this version yet.
+collectives under real `mpirun` and `horovodrun` with 2 ranks. The adapter's own
+tests are in tests/adapters/test_horovod.py.
 """
 
 import json

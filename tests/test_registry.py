@@ -20,11 +20,10 @@ def test_unknown_name_lists_the_known_ones():
         registry.get("mirroredd")
 
 
-@pytest.mark.parametrize("name", ["parameter_server", "horovod"])
-def test_strategies_without_an_adapter_say_so(name):
-    with pytest.raises(ConfigError,
-                       match=f"'{name}' is not available yet.*one_device, mirrored, multi_worker"):
-        registry.get(name)
+def test_strategies_without_an_adapter_say_so():
+    with pytest.raises(ConfigError, match="'parameter_server' is not available yet.*one_device, "
+                                          "mirrored, multi_worker, tpu, horovod"):
+        registry.get("parameter_server")
 
 
 def test_registering_a_taken_name_needs_override():

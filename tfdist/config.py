@@ -87,6 +87,21 @@ class AutoShard(_Choice):
     OFF = "off"
 
 
+class Reduction(_Choice):
+    """How Horovod combines gradients across ranks."""
+
+    AVERAGE = "average"
+    SUM = "sum"
+    ADASUM = "adasum"
+
+
+class Compression(_Choice):
+    """How Horovod compresses gradients on the wire."""
+
+    NONE = "none"
+    FP16 = "fp16"
+
+
 class DatasetName(_Choice):
     """The main job's data: real handwritten digits, or synthetic features."""
 
@@ -177,6 +192,24 @@ class TPUConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HorovodConfig:
+    """Options of the `horovod` strategy (one process per device, under mpirun or horovodrun)."""
+
+    op: Reduction = _field(
+        Reduction.AVERAGE, "How gradients combine across ranks: average, sum or adasum.")
+    compression: Compression = _field(
+        Compression.NONE, "Gradient compression on the wire: none or fp16.")
+    sparse_as_dense: bool = _field(
+        False, "Allreduce sparse gradients (embeddings) as dense tensors instead of "
+               "allgathering them; faster when most rows change every step.")
+    scale_learning_rate: bool = _field(
+        False, "Multiply the learning rate by the number of ranks (Goyal et al., 2017).")
+    warmup_steps: int = _field(
+        0, "With scale_learning_rate: ramp linearly from the base rate to the scaled one "
+           "over this many updates (0: scaled from the first update).")
+
+
+@dataclasses.dataclass(frozen=True)
 class ThreadsConfig:
     """TensorFlow's thread pools; set before TensorFlow starts its runtime."""
 
@@ -213,7 +246,7 @@ class Config:
             `mixed_bfloat16` on TPU, `float32` elsewhere.
         accumulation_steps: Micro-batches whose gradients make one optimizer update.
         seed: Seeds Python, NumPy and TensorFlow when set, so runs repeat.
-        one_device, mirrored, multi_worker, tpu: Options of those strategies.
+        one_device, mirrored, multi_worker, tpu, horovod: Options of those strategies.
         threads: TensorFlow's thread pools.
         train: The main job's settings (`tfdist train`).
 
@@ -234,6 +267,7 @@ class Config:
     mirrored: MirroredConfig = _field(MirroredConfig(), "Options of mirrored.")
     multi_worker: MultiWorkerConfig = _field(MultiWorkerConfig(), "Options of multi_worker.")
     tpu: TPUConfig = _field(TPUConfig(), "Options of tpu.")
+    horovod: HorovodConfig = _field(HorovodConfig(), "Options of horovod.")
     threads: ThreadsConfig = _field(ThreadsConfig(), "TensorFlow thread pools.")
     train: TrainConfig = _field(TrainConfig(), "The main job (tfdist train).")
 
@@ -457,6 +491,12 @@ def _validate(config: Config) -> None:
     require(not (multi_worker.cpu_replicas and multi_worker.communication is Communication.NCCL),
             "multi_worker.communication", "nccl", "auto or ring with cpu_replicas: NCCL "
             "runs on GPUs only")
+    horovod = config.horovod
+    require(horovod.warmup_steps >= 0, "horovod.warmup_steps", horovod.warmup_steps,
+            "an integer >= 0 (updates to ramp the scaled learning rate over)")
+    require(not horovod.warmup_steps or horovod.scale_learning_rate, "horovod.warmup_steps",
+            horovod.warmup_steps, "0 unless horovod.scale_learning_rate is true: the warmup "
+            "ramps up to the scaled rate")
     for name in ("inter_op", "intra_op"):
         value = getattr(config.threads, name)
         require(value >= 0, f"threads.{name}", value, "an integer >= 0 (0: TensorFlow's default)")

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Iterator, Sequence
 
 from tfdist.cluster import child_environment
 from tfdist.errors import ConfigError
@@ -120,14 +120,15 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
             raise ConfigError(f"tfdist launch {name} must be an integer >= {lowest}. "
                               f"Received: {name} {value}")
     output = sys.stdout if output is None else output
-    status = 1
-    for attempt in range(max_restarts + 1):
-        if attempt:
-            _say(output, f"restarting the group (restart {attempt} of {max_restarts})")
-        status = _Group(list(command), cluster_spec(num_workers, num_ps), output,
-                        grace_seconds).run()
-        if status in (0, 130):
-            return status
+    status, interrupted = 1, threading.Event()
+    with _signals_set(interrupted):
+        for attempt in range(max_restarts + 1):
+            if attempt:
+                _say(output, f"restarting the group (restart {attempt} of {max_restarts})")
+            status = _Group(list(command), cluster_spec(num_workers, num_ps), output,
+                            grace_seconds, interrupted).run()
+            if status in (0, 130):
+                return status
     return status
 
 
@@ -139,7 +140,7 @@ class _Group:
     """One attempt: start every task, relay output, watch, stop."""
 
     def __init__(self, command: list[str], cluster: dict[str, list[str]], output: IO[str],
-                 grace_seconds: float):
+                 grace_seconds: float, interrupted: threading.Event):
         self.command = command
         self.cluster = cluster
         self.output = output
@@ -147,22 +148,19 @@ class _Group:
         self.processes: dict[Task, subprocess.Popen] = {}
         self.relays: list[threading.Thread] = []
         self.write_lock = threading.Lock()
+        self.interrupted = interrupted  # Set by SIGINT or SIGTERM to the launcher.
         # The coordinator (chief) decides success when there are servers; else every worker.
         self.deciders = ([Task("chief", 0)] if "ps" in cluster else
                          [Task("worker", i) for i in range(len(cluster["worker"]))])
 
     def run(self) -> int:
-        with _signals_raise_keyboard_interrupt():
-            try:
-                self._start()
-                return self._watch()
-            except KeyboardInterrupt:
-                _say(self.output, "interrupted; stopping every task")
-                return 130
-            finally:
-                self._stop_all()
-                for relay in self.relays:
-                    relay.join(timeout=2)
+        try:
+            self._start()
+            return self._watch()
+        finally:
+            self._stop_all()
+            for relay in self.relays:
+                relay.join(timeout=2)
 
     def _start(self) -> None:
         for task_type, addresses in self.cluster.items():
@@ -188,6 +186,9 @@ class _Group:
 
     def _watch(self) -> int:
         while True:
+            if self.interrupted.is_set():
+                _say(self.output, "interrupted; stopping every task")
+                return 130
             for task, process in self.processes.items():
                 status = process.poll()
                 if status is not None and status != 0:
@@ -196,7 +197,7 @@ class _Group:
                     return status if status > 0 else 1
             if all(self.processes[task].poll() == 0 for task in self.deciders):
                 return 0
-            time.sleep(0.1)
+            self.interrupted.wait(0.1)
 
     def _stop_all(self) -> None:
         running = [p for p in self.processes.values() if p.poll() is None]
@@ -219,20 +220,19 @@ def _signal_group(process: subprocess.Popen, signum: int) -> None:
 
 
 @contextlib.contextmanager
-def _signals_raise_keyboard_interrupt():
-    """SIGINT and SIGTERM to the launcher stop the group.
+def _signals_set(event: threading.Event) -> Iterator[None]:
+    """SIGINT and SIGTERM to the launcher set `event`, which stops the group.
 
+    The handler only sets a flag: an exception raised wherever the signal lands
+    could fall between starting a child and recording it, and leave it running.
     SIGINT is handled explicitly too: a process started in the background by a
     non-interactive shell inherits SIGINT as ignored, and Python then installs no
     Ctrl-C handler of its own.
     """
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
     previous = {}
     try:
         for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, interrupt)
+            previous[signum] = signal.signal(signum, lambda *_: event.set())
     except ValueError:  # Not the main thread: leave signals alone.
         pass
     try:

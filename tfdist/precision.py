@@ -82,17 +82,23 @@ class PrecisionPolicy:
         finally:
             keras.config.set_dtype_policy(previous)
 
-    def wrap_optimizer(self, optimizer):
+    def wrap_optimizer(self, optimizer, *, finite_reduce_fn=None, **loss_scale_options):
         """Returns the optimizer with dynamic loss scaling where the policy needs it.
 
         Args:
-            optimizer: A `keras.optimizers.Optimizer`.
+            optimizer: A `keras.optimizers.Optimizer` that is not loss-scaled yet.
+            finite_reduce_fn: Makes the skip decision for a non-finite step the
+                same on every process (see `tfdist.optimizers`). None: each
+                process decides for itself, as in Keras.
+            **loss_scale_options: `initial_scale`, `dynamic_growth_steps`; also
+                asks for loss scaling under a policy that would not use it.
         """
-        import keras
+        if not (self.loss_scaling or loss_scale_options):
+            return optimizer
+        from tfdist.optimizers import AgreeingLossScaleOptimizer
 
-        if self.loss_scaling and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            return keras.optimizers.LossScaleOptimizer(optimizer)
-        return optimizer
+        return AgreeingLossScaleOptimizer(optimizer, finite_reduce_fn=finite_reduce_fn,
+                                          **loss_scale_options)
 
 
 def resolve_precision(requested: Precision | None, *, strategy: Strategy,

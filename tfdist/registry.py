@@ -22,6 +22,7 @@ _BUILTIN: dict[Strategy, str] = {
     Strategy.MIRRORED: "tfdist.adapters.mirrored:MirroredAdapter",
     Strategy.MULTI_WORKER: "tfdist.adapters.multi_worker:MultiWorkerAdapter",
     Strategy.TPU: "tfdist.adapters.tpu:TPUAdapter",
+    Strategy.HOROVOD: "tfdist.adapters.horovod:HorovodAdapter",
 }
 _registered: dict[Strategy, type] = {}
 

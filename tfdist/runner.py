@@ -102,7 +102,8 @@ class Runner:
         self.config = dataclasses.replace(config, strategy=strategy_name,
                                           precision=self.precision.precision)
         self._adapter = adapter_cls(self.config, self.cluster)
-        _configure_threads(config.threads, default_inter_op=self._adapter.inter_op_threads())
+        _configure_threads(config.threads, default_inter_op=self._adapter.inter_op_threads(),
+                           default_intra_op=self._adapter.intra_op_threads())
         if config.seed is not None:
             import keras
 
@@ -129,7 +130,7 @@ class Runner:
     @property
     def num_replicas(self) -> int:
         """Replicas that train in sync, across all processes."""
-        return self.strategy.num_replicas_in_sync
+        return self._adapter.num_replicas
 
     @property
     def is_chief(self) -> bool:
@@ -175,7 +176,16 @@ class Runner:
                                   f"Received: {optimizer!r}") from None
             if not optimizer.built and int(optimizer.iterations.numpy()) == 0:
                 optimizer = type(optimizer).from_config(optimizer.get_config())
-            return self._adapter.wrap_optimizer(self.precision.wrap_optimizer(optimizer))
+            loss_scale_options = {}
+            if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                # The user's own loss scaling keeps its settings, but goes outermost,
+                # where the strategy can make its skip decisions agree.
+                loss_scale_options = {"initial_scale": optimizer.initial_scale,
+                                      "dynamic_growth_steps": optimizer.dynamic_growth_steps}
+                optimizer = optimizer.inner_optimizer
+            return self.precision.wrap_optimizer(
+                self._adapter.wrap_optimizer(optimizer),
+                finite_reduce_fn=self._adapter.finite_reduce_fn(), **loss_scale_options)
 
     def dataset(self, source: Any, global_batch_size: int, *, drop_remainder: bool = True) -> Any:
         """Batches and places unbatched data as the strategy needs.
@@ -239,14 +249,25 @@ class Runner:
                                  self.config.to_yaml())
 
 
-def _configure_threads(threads: ThreadsConfig, default_inter_op: int = 0) -> None:
+def _configure_threads(threads: ThreadsConfig, default_inter_op: int = 0,
+                       default_intra_op: int = 0) -> None:
     """Sets TensorFlow's thread pools, which are fixed once its runtime starts.
 
     Args:
         threads: The config's thread counts (0: leave to the adapter, then TensorFlow).
         default_inter_op: The adapter's inter-op count when the config sets none.
+        default_intra_op: The adapter's intra-op count when the config sets none.
     """
     import tensorflow as tf
+
+    if not threads.intra_op and default_intra_op:
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(default_intra_op)
+        except RuntimeError:
+            logging.warning("tfdist: TensorFlow started before the Runner, so its intra-op "
+                            "threads stay at TensorFlow's default; this strategy wants %d. "
+                            "Create the Runner before any TensorFlow op, or set "
+                            "threads.intra_op.", default_intra_op)
 
     if not threads.inter_op and default_inter_op:
         current = tf.config.threading.get_inter_op_parallelism_threads()

@@ -53,8 +53,17 @@ class Adapter(abc.ABC):
         """Whether this process does the run's single-writer work (logs, files)."""
         return True
 
+    @property
+    def num_replicas(self) -> int:
+        """Replicas that train in sync, across all processes."""
+        return self.strategy.num_replicas_in_sync
+
     def inter_op_threads(self) -> int:
         """Inter-op threads this strategy needs when the config sets none (0: TF's default)."""
+        return 0
+
+    def intra_op_threads(self) -> int:
+        """Intra-op threads this strategy needs when the config sets none (0: TF's default)."""
         return 0
 
     def distribute_dataset(self, source: DatasetSource, global_batch_size: int, *,
@@ -79,7 +88,7 @@ class Adapter(abc.ABC):
             ConfigError: the batch does not divide across replicas, or the source
                 is not a dataset.
         """
-        replicas = self.strategy.num_replicas_in_sync
+        replicas = self.num_replicas
         check_global_batch_size(global_batch_size, replicas)
         if isinstance(source, tf.data.Dataset):
             dataset = source
@@ -97,8 +106,20 @@ class Adapter(abc.ABC):
         return batched(dataset, global_batch_size, drop_remainder)
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
-        """Returns the optimizer this strategy trains with. The base keeps it as it is."""
+        """Returns the optimizer this strategy trains with. The base keeps it as it is.
+
+        Args:
+            optimizer: The user's optimizer, not loss-scaled; loss scaling is
+                wrapped around what this returns.
+        """
         return optimizer
+
+    def finite_reduce_fn(self) -> Callable[[Any], Any] | None:
+        """Reduces "this process's gradients are finite" across processes, for loss scaling.
+
+        None (the base): the strategy keeps processes in step itself.
+        """
+        return None
 
     def callbacks(self) -> list[Any]:
         """Keras callbacks this strategy needs in `model.fit`. The base needs none."""

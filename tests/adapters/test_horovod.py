@@ -1,0 +1,254 @@
+"""horovod under Keras 3 model.fit, with 2 real ranks started by mpirun (and horovodrun)."""
+
+import json
+import os
+import re
+import shutil
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist.cluster import detect_cluster
+from tests.conftest import REPO, TFDIST, run_command
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(REPO / "tests" / "scripts" / "horovod_training.py")
+TOLERANCE = 1e-5
+
+
+def mpirun(*args):
+    # Open MPI refuses to start as root unless told; containers and CI often are root.
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [shutil.which("mpirun"), *root, "--oversubscribe", "-np", "2", *args]
+
+
+def reports(stdout):
+    """Each rank's JSON report, by rank."""
+    found = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"rank"')]
+    return {report["rank"]: report for report in found}
+
+
+def weights(path):
+    return [array for _, array in sorted(np.load(path).items(),
+                                         key=lambda item: int(item[0].split("_")[1]))]
+
+
+def run_ranks(tmp_path, *args, timeout=90):
+    """Runs the training script on 2 ranks; returns (reports by rank, weights by rank)."""
+    result = run_command(mpirun(sys.executable, SCRIPT, str(tmp_path), *args), cwd=tmp_path,
+                         timeout=timeout)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    by_rank = reports(result.stdout)
+    assert sorted(by_rank) == [0, 1], result.stdout[-3000:]
+    return by_rank, {rank: weights(tmp_path / f"rank{rank}.npz") for rank in (0, 1)}
+
+
+def one_device_run(start, optimizer, steps, epochs, learning_rate=None):
+    """one_device with the global batch, from the same start: (weights, history)."""
+    sys.path.insert(0, str(REPO / "tests" / "scripts"))
+    import horovod_training as job
+    import tensorflow as tf
+
+    keras.backend.clear_session()
+    runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device",
+                                                         "precision": "float32"}))
+    with runner.scope():
+        model = job.make_model()
+        model.set_weights(start)
+        made = job.make_optimizer(optimizer)
+        if learning_rate is not None:
+            made.learning_rate = learning_rate
+        model.compile(runner.optimizer(made), "sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+    data = runner.dataset(tf.data.Dataset.from_tensor_slices(job.examples(steps)),
+                          job.GLOBAL_BATCH)
+    history = model.fit(data, epochs=epochs, verbose=0)
+    return model.get_weights(), history.history
+
+
+def max_difference(first, second):
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(first, second))
+
+
+@pytest.fixture(scope="module", params=["sgd", "adam"])
+def trained(request, tmp_path_factory):
+    """2 ranks from different initial weights, 10 steps x 2 epochs, and one_device beside them."""
+    out = tmp_path_factory.mktemp(f"horovod_{request.param}")
+    by_rank, weights_by_rank = run_ranks(out, f"--optimizer={request.param}", "--seed_by_rank")
+    start = weights(out / "start.npz")
+    reference, reference_history = one_device_run(start, request.param, steps=10, epochs=2)
+    return by_rank, weights_by_rank, start, reference, reference_history
+
+
+def test_every_rank_equals_one_device(trained):
+    by_rank, weights_by_rank, start, reference, _ = trained
+    assert all(report["iterations"] == 20 for report in by_rank.values())
+    # Each rank's share of the cores (less one for Horovod above 2), not all of them.
+    share = max(1, detect_cluster(probe_gpus=False).cpu_cores // 2)
+    expected_threads = share - 1 if share > 2 else share
+    assert all(report["intra_op_threads"] == expected_threads for report in by_rank.values())
+    assert max_difference(reference, start) > 1e-2  # training moved the weights
+    for rank in (0, 1):
+        assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
+
+
+def test_history_is_the_same_on_every_rank_and_is_the_global_mean(trained):
+    by_rank, _, _, _, reference_history = trained
+    history, other = by_rank[0]["history"], by_rank[1]["history"]
+    assert history == other
+    local = [by_rank[rank]["local_history"] for rank in (0, 1)]
+    assert local[0]["loss"] != local[1]["loss"]  # each rank saw other examples
+    for key in ("loss", "accuracy"):
+        assert np.allclose(history[key], np.mean([local[0][key], local[1][key]], axis=0),
+                           rtol=0, atol=1e-7)
+        assert np.allclose(history[key], reference_history[key], rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("setting", ["horovod.op=sum", "horovod.scale_learning_rate=true"])
+def test_summed_gradients_or_a_scaled_rate_equal_one_device_at_twice_the_rate(setting,
+                                                                             tmp_path):
+    # With SGD, the sum of 2 ranks' mean gradients, or their mean at twice the rate, is
+    # one_device's step at twice the rate.
+    by_rank, weights_by_rank = run_ranks(tmp_path, "--optimizer=sgd", f"--set={setting}")
+    reference, _ = one_device_run(weights(tmp_path / "start.npz"), "sgd", steps=10, epochs=2,
+                                  learning_rate=0.2)
+    for rank in (0, 1):
+        assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
+
+
+def test_fp16_compression_is_close_to_one_device_but_rounded(tmp_path):
+    by_rank, weights_by_rank = run_ranks(tmp_path, "--set=horovod.compression=fp16")
+    assert max_difference(weights_by_rank[0], weights_by_rank[1]) == 0.0
+    reference, _ = one_device_run(weights(tmp_path / "start.npz"), "sgd", steps=10, epochs=2)
+    assert 1e-7 < max_difference(weights_by_rank[0], reference) < 1e-2
+
+
+def test_adasum_trains_the_same_weights_on_every_rank(tmp_path):
+    by_rank, weights_by_rank = run_ranks(tmp_path, "--set=horovod.op=adasum")
+    assert [by_rank[rank]["iterations"] for rank in (0, 1)] == [20, 20]
+    assert max_difference(weights_by_rank[0], weights_by_rank[1]) == 0.0
+    assert max_difference(weights_by_rank[0], weights(tmp_path / "start.npz")) > 1e-2
+
+
+@pytest.mark.parametrize("without, identical", [(None, True), ("broadcast", False)])
+def test_ranks_seeded_differently_are_identical_after_the_first_step(without, identical,
+                                                                     tmp_path):
+    args = ["--seed_by_rank", "--steps=1", "--epochs=1"] + (
+        [f"--without={without}"] if without else [])
+    by_rank, weights_by_rank = run_ranks(tmp_path, *args)
+    assert [by_rank[rank]["iterations"] for rank in (0, 1)] == [1, 1]
+    apart = max_difference(weights_by_rank[0], weights_by_rank[1])
+    if identical:
+        assert apart == 0.0
+        reference, _ = one_device_run(weights(tmp_path / "start.npz"), "sgd", steps=1, epochs=1)
+        assert max_difference(weights_by_rank[0], reference) < TOLERANCE
+    else:
+        assert apart > 1e-2  # without the broadcast the ranks keep their own weights
+
+
+def test_mixed_float16_inf_on_one_rank_skips_the_step_on_both(tmp_path):
+    by_rank, weights_by_rank = run_ranks(tmp_path, "--precision=mixed_float16",
+                                         "--inf_at_step=3", "--epochs=1", "--optimizer=adam")
+    # 10 steps, one skipped everywhere: 9 updates, and the loss scale halved once.
+    assert [by_rank[rank]["iterations"] for rank in (0, 1)] == [9, 9]
+    assert [by_rank[rank]["loss_scale"] for rank in (0, 1)] == [2.0 ** 14] * 2
+    assert max_difference(weights_by_rank[0], weights_by_rank[1]) == 0.0
+    assert all(np.all(np.isfinite(array)) for array in weights_by_rank[0])
+
+
+def test_without_agreement_the_rank_that_did_not_skip_waits_alone(tmp_path):
+    # Keras's LossScaleOptimizer decides per rank: rank 1 skips step 3, rank 0 enters
+    # the allreduce alone and waits for ever. Horovod's stall shutdown makes the hang
+    # an error within seconds.
+    stall = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}
+    exports = [arg for name in stall for arg in ("-x", name)]
+    result = run_command(mpirun(*exports, sys.executable, SCRIPT, str(tmp_path),
+                                "--precision=mixed_float16", "--inf_at_step=3", "--epochs=1",
+                                "--optimizer=adam", "--without=agreement"),
+                         cwd=tmp_path, env=stall, timeout=90)
+    assert result.returncode != 0
+    assert "Horovod has been shut down" in result.stdout + result.stderr
+
+
+def test_bare_horovod_keras_fails_on_keras_3(tmp_path):
+    result = run_command(mpirun(sys.executable, SCRIPT, str(tmp_path), "--bare"), cwd=tmp_path)
+    assert result.returncode != 0
+    assert "'Variable' object has no attribute 'ref'" in result.stdout + result.stderr
+
+
+def _chief_json(stdout):
+    lines = [line for line in stdout.splitlines() if '"strategy"' in line]
+    assert len(lines) == 1, stdout[-3000:]  # only rank 0 reports
+    return json.loads(lines[0][lines[0].index("{"):])
+
+
+@pytest.mark.parametrize("launcher, precision", [
+    ("mpirun", "float32"), ("horovodrun", "mixed_bfloat16")])
+def test_tfdist_train_under_a_launcher(launcher, precision, tmp_path):
+    train = [TFDIST, "train", "--strategy=horovod", f"--precision={precision}",
+             "--set", "train.epochs=3"]
+    if launcher == "mpirun":
+        command = mpirun(*train)
+    else:
+        command = [str(REPO / ".venv" / "bin" / "horovodrun"), "--gloo", "-np", "2",
+                   "-H", "localhost:2", *train]
+    result = run_command(command, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    summary = _chief_json(result.stdout)
+    assert (summary["strategy"], summary["replicas"], summary["precision"]) == (
+        "horovod", 2, precision)
+    assert summary["accuracy"] > 0.85
+    assert (tmp_path / "tfdist_output" / "result.json").exists()
+
+
+def test_users_model_with_batchnorm_dropout_validation_and_evaluate(tmp_path):
+    result = run_command(mpirun(sys.executable, str(REPO / "examples" / "keras_fit.py"),
+                                "--strategy=horovod", "--epochs=2"), cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    summary = _chief_json(result.stdout)
+    assert summary["replicas"] == 2
+    assert summary["evaluate_accuracy"] > 0.5 and summary["val_accuracy"] > 0.5
+
+
+def test_without_horovod_one_line_says_how_to_install(tmp_path):
+    # A None entry in sys.modules makes `import horovod` raise ImportError, as when
+    # Horovod is not installed.
+    code = ("import sys; sys.modules['horovod'] = None; from tfdist.cli import main; "
+            "main(['tfdist', 'train', '--strategy=horovod'])")
+    result = run_command([sys.executable, "-c", code], cwd=tmp_path)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tfdist: error:")]
+    assert len(errors) == 1 and "make setup" in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_adasum_with_3_ranks_is_one_line(tmp_path):
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    result = run_command([shutil.which("mpirun"), *root, "--oversubscribe", "-np", "3", TFDIST,
+                          "train", "--strategy=horovod", "--set", "horovod.op=adasum"],
+                         cwd=tmp_path)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "tfdist: error:" in line]
+    # mpirun stops the other ranks when the first exits, so 1 to 3 of them say it.
+    assert errors and all("power-of-2 number of ranks" in line for line in errors)
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_bad_horovod_options_are_one_line():
+    with pytest.raises(tfdist.ConfigError, match="horovod.warmup_steps must be 0 unless"):
+        tfdist.load_config(overrides={"horovod.warmup_steps": 10})
+    with pytest.raises(tfdist.ConfigError, match="unknown horovod.op 'mean'"):
+        tfdist.load_config(overrides={"horovod.op": "mean"})
+
+
+def test_a_gloo_run_reports_its_rank_in_the_environment(tmp_path):
+    # horovodrun sets HOROVOD_RANK/SIZE; `tfdist env` sees them and auto picks horovod.
+    result = run_command([str(REPO / ".venv" / "bin" / "horovodrun"), "--gloo", "-np", "2",
+                          "-H", "localhost:2", TFDIST, "env"], cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    choices = re.findall(r'"strategy": "(\w+)"', result.stdout)
+    assert choices == ["horovod", "horovod"], result.stdout[-3000:]

@@ -1,0 +1,143 @@
+"""Trains a fixed model on fixed data on every Horovod rank; each rank reports and saves.
+
+Run by tests under `mpirun -np 2`, to compare the ranks with each other and with
+one_device:
+
+    mpirun -np 2 python tests/scripts/horovod_training.py OUT_DIR \
+        [--optimizer sgd|adam] [--steps N] [--seed_by_rank] [--precision P] \
+        [--inf_at_step S] [--without broadcast|average|agreement] [--set KEY=VALUE] [--bare]
+
+Each rank writes OUT_DIR/rank<R>.npz (final weights) and prints one JSON line:
+rank, iterations, history (as fit returned it), local_history (each rank's own
+values, logged before tfdist averages them), loss_scale (under mixed_float16).
+
+--seed_by_rank initialises rank r's model with seed 100 + r (rank 0's initial
+weights are saved too); otherwise every rank starts from seed 11's weights.
+--inf_at_step S puts an inf into rank 1's slice of step S. --set horovod.op=sum (and
+other config keys) is passed to the config. --without drops one
+of tfdist's Horovod callbacks, or the agreement on skipped steps, to show what it
+is for. --bare trains with
+Horovod's own Keras integration instead of tfdist.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+GLOBAL_BATCH, FEATURES, CLASSES = 32, 8, 3
+
+
+def examples(steps, inf_at_step=None):
+    """steps * GLOBAL_BATCH examples; with inf_at_step, one inf in rank 1's half of that step."""
+    rng = np.random.RandomState(0)
+    features = rng.randn(steps * GLOBAL_BATCH, FEATURES).astype("float32")
+    labels = rng.randint(0, CLASSES, steps * GLOBAL_BATCH).astype("int32")
+    if inf_at_step is not None:
+        features[inf_at_step * GLOBAL_BATCH + GLOBAL_BATCH - 1, 0] = np.inf  # last row: rank 1
+    return features, labels
+
+
+def make_model():
+    return keras.Sequential([
+        keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(CLASSES),
+        keras.layers.Activation("softmax", dtype="float32")])
+
+
+def initial_weights(seed):
+    keras.utils.set_random_seed(seed)
+    return [w.copy() for w in make_model().get_weights()]
+
+
+def make_optimizer(name):
+    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
+
+
+class LocalLogs(keras.callbacks.Callback):
+    """Keeps each epoch's logs as this rank computed them (it runs before the averaging)."""
+
+    def __init__(self):
+        super().__init__()
+        self.history = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        for key, value in (logs or {}).items():
+            self.history.setdefault(key, []).append(float(value))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--seed_by_rank", action="store_true")
+    parser.add_argument("--precision", default="float32")
+    parser.add_argument("--inf_at_step", type=int)
+    parser.add_argument("--without", choices=["broadcast", "average", "agreement"])
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--bare", action="store_true")
+    args = parser.parse_args()
+
+    import tensorflow as tf
+
+    features, labels = examples(args.steps, args.inf_at_step)
+    if args.bare:
+        import horovod.tensorflow.keras as hvd_keras
+
+        hvd_keras.init()
+        model = make_model()
+        model.compile(hvd_keras.DistributedOptimizer(make_optimizer(args.optimizer)),
+                      "sparse_categorical_crossentropy")
+        model.fit(features, labels, batch_size=GLOBAL_BATCH // hvd_keras.size(), verbose=0,
+                  callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+        return
+
+    import tfdist
+    from tfdist.adapters.horovod import AverageMetrics, BroadcastState
+
+    import yaml
+
+    overrides = {"strategy": "horovod", "precision": args.precision}
+    overrides.update((key, yaml.safe_load(value)) for key, value in
+                     (setting.split("=", 1) for setting in args.set))
+    runner = tfdist.Runner(tfdist.load_config(overrides=overrides))
+    import horovod.tensorflow as hvd
+
+    rank = hvd.rank()
+    seed = 100 + rank if args.seed_by_rank else 11
+    start = initial_weights(seed)
+    with runner.scope():
+        model = make_model()
+        model.set_weights(start)
+        model.compile(runner.optimizer(make_optimizer(args.optimizer)),
+                      "sparse_categorical_crossentropy", metrics=["accuracy"])
+    if args.without == "agreement":  # Keras's own skip decision: each rank for itself
+        model.optimizer.finite_reduce_fn = None
+    dropped = {"broadcast": BroadcastState, "average": AverageMetrics}.get(args.without)
+    callbacks = [callback for callback in runner.callbacks()
+                 if dropped is None or not isinstance(callback, dropped)]
+    local = LocalLogs()
+    data = runner.dataset(tf.data.Dataset.from_tensor_slices((features, labels)), GLOBAL_BATCH)
+    history = model.fit(data, epochs=args.epochs, callbacks=[local, *callbacks], verbose=0)
+    optimizer = model.optimizer
+    report = {"rank": rank, "iterations": int(optimizer.iterations.numpy()),
+              "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+              "history": history.history, "local_history": local.history}
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        report["loss_scale"] = float(optimizer.dynamic_scale.numpy())
+    os.makedirs(args.out_dir, exist_ok=True)
+    np.savez(os.path.join(args.out_dir, f"rank{rank}.npz"), *model.get_weights())
+    if rank == 0:
+        np.savez(os.path.join(args.out_dir, "start.npz"), *start)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

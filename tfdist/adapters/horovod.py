@@ -1,0 +1,277 @@
+"""`horovod`: data parallelism across processes started by `mpirun` or `horovodrun`.
+
+One process (rank) per device. Each rank trains on its slice of every global
+batch under a one-device strategy, and Horovod's fused allreduce (MPI, Gloo or
+NCCL) averages the gradients. Keras 3's own train step stays in charge; only
+`horovod.tensorflow`'s collectives are used, not its Keras 2 integration, which
+Keras 3 never calls (horovod/horovod#4290):
+
+- `runner.optimizer` reduces the gradients across ranks before they are applied
+  (`tfdist.optimizers`), with the config's op, compression and learning-rate
+  scaling; under mixed_float16 every rank skips the same non-finite steps.
+- `runner.callbacks` copies rank 0's weights and optimizer state to every rank
+  before the first step of each `fit` (so after a resume too), and averages the
+  logged metrics across ranks, so every rank's History is the same.
+- `runner.dataset` gives each rank its slice of each global batch.
+
+Example:
+
+    # mpirun -np 2 tfdist train --strategy horovod
+    runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "horovod"}))
+    runner.num_replicas, runner.is_chief   # (2, True) on rank 0
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from types import ModuleType
+from typing import Any, Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.adapters.base import (Adapter, DatasetSource, call_dataset_function,
+                                  check_global_batch_size)
+from tfdist.cluster import ClusterInfo
+from tfdist.config import Compression, Config, Reduction
+from tfdist.errors import ConfigError
+from tfdist.optimizers import GradientReducingOptimizer
+from tfdist.schedules import ScaledWarmup
+
+
+def import_horovod() -> ModuleType:
+    """Returns `horovod.tensorflow`, or raises ConfigError saying how to install it."""
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as error:
+        raise ConfigError("strategy horovod needs Horovod built for this TensorFlow, and it "
+                          "cannot be imported here; run `make setup` (or "
+                          "scripts/install_horovod.sh) in this environment. "
+                          f"Received: {type(error).__name__}: {error}") from None
+    return hvd
+
+
+class HorovodAdapter(Adapter):
+    """One rank per device; gradients averaged with Horovod's collectives."""
+
+    def __init__(self, config: Config, cluster: ClusterInfo):
+        super().__init__(config, cluster)
+        self.hvd = import_horovod()
+        self.hvd.init()
+        size = self.hvd.size()
+        if config.horovod.op is Reduction.ADASUM and size & (size - 1):
+            raise ConfigError(f"horovod.op adasum needs a power-of-2 number of ranks (Horovod "
+                              f"supports no other); start 2, 4, 8... ranks or use average. "
+                              f"Received: {size} ranks")
+
+    def create_strategy(self) -> tf.distribute.Strategy:
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            return tf.distribute.OneDeviceStrategy("/cpu:0")
+        local_rank, local_size = self.hvd.local_rank(), self.hvd.local_size()
+        if local_size > len(gpus):
+            raise ConfigError(f"strategy horovod runs one rank per GPU, but this machine has "
+                              f"{len(gpus)} GPU(s) and {local_size} ranks; start at most "
+                              f"{len(gpus)} ranks per machine (mpirun -np / -H host:N). "
+                              f"Received: {local_size} local ranks")
+        try:
+            # Each rank sees only its own GPU, so it neither allocates memory on the
+            # others nor places ops there.
+            tf.config.set_visible_devices(gpus[local_rank], "GPU")
+        except RuntimeError:
+            raise ConfigError("strategy horovod pins each rank to its GPU before TensorFlow "
+                              "starts; create the Runner first in your program. "
+                              "Received: TensorFlow already running") from None
+        return tf.distribute.OneDeviceStrategy("/gpu:0")
+
+    @property
+    def num_replicas(self) -> int:
+        """The ranks: each trains one replica."""
+        return self.hvd.size()
+
+    @property
+    def is_chief(self) -> bool:
+        """Rank 0."""
+        return self.hvd.rank() == 0
+
+    def intra_op_threads(self) -> int:
+        """This rank's share of the machine's cores, less one for Horovod's own threads.
+
+        Every rank on a machine otherwise sizes its pool to all the cores, and the
+        oversubscribed pools starve Horovod's background thread, which slows every
+        collective (horovod/horovod#2804). A share of 1 or 2 cores is kept whole.
+        """
+        share = max(1, self.cluster.cpu_cores // max(1, self.hvd.local_size()))
+        return share - 1 if share > 2 else share
+
+    def distribute_dataset(self, source: DatasetSource, global_batch_size: int, *,
+                           drop_remainder: bool = True) -> Any:
+        """Each rank's slice of every global batch; whole batches for evaluation.
+
+        Args:
+            source: An unbatched `tf.data.Dataset` in the same order on every rank
+                (shuffle with a seed). Each rank batches it globally and keeps slice
+                `rank` of each batch, so together the ranks take one_device's batch
+                at every step. Or a function of `tf.distribute.InputContext` that
+                shards by `input_pipeline_id` (the rank) and gives every rank the
+                same number of batches; it is batched per rank.
+            global_batch_size: Examples per step across all ranks.
+            drop_remainder: True (training): drop a final partial global batch.
+                False (evaluation): every rank gets every global batch whole, the
+                partial one included, so `model.evaluate` returns the figures of
+                the whole dataset on every rank (the work is repeated, not split).
+        """
+        size, rank = self.hvd.size(), self.hvd.rank()
+        check_global_batch_size(global_batch_size, size)
+        if isinstance(source, tf.data.Dataset):
+            dataset = source.batch(global_batch_size, drop_remainder=drop_remainder)
+            if drop_remainder:
+                dataset = dataset.map(functools.partial(_rank_slice, rank=rank, size=size),
+                                      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        else:
+            context = tf.distribute.InputContext(num_input_pipelines=size,
+                                                 input_pipeline_id=rank,
+                                                 num_replicas_in_sync=size)
+            dataset = call_dataset_function(source, context).batch(
+                global_batch_size // size, drop_remainder=drop_remainder)
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+    def wrap_optimizer(self, optimizer: Any) -> Any:
+        """Averages (or sums) gradients across ranks before the optimizer applies them.
+
+        With `horovod.scale_learning_rate`, the learning rate (a float or a schedule)
+        becomes `ScaledWarmup(rate, ranks, horovod.warmup_steps)`.
+        """
+        options = self.config.horovod
+        if options.scale_learning_rate:
+            learning_rate = optimizer.get_config()["learning_rate"]
+            if isinstance(learning_rate, dict):
+                learning_rate = keras.optimizers.schedules.deserialize(learning_rate)
+            optimizer.learning_rate = ScaledWarmup(learning_rate, multiplier=self.hvd.size(),
+                                                   warmup_steps=options.warmup_steps)
+        return GradientReducingOptimizer(optimizer, reduce_fn=self.gradient_reduce_fn())
+
+    def gradient_reduce_fn(self) -> Callable[[list[Any]], list[Any]]:
+        """The config's reduction, as one grouped (fused) allreduce of all gradients."""
+        hvd, options = self.hvd, self.config.horovod
+        op = {Reduction.AVERAGE: hvd.Average, Reduction.SUM: hvd.Sum,
+              Reduction.ADASUM: hvd.Adasum}[options.op]
+        compression = {Compression.NONE: hvd.Compression.none,
+                       Compression.FP16: hvd.Compression.fp16}[options.compression]
+        # Horovod allgathers sparse gradients, which Adasum cannot combine.
+        as_dense = options.sparse_as_dense or options.op is Reduction.ADASUM
+
+        def allreduce(grads: list[Any]) -> list[Any]:
+            if as_dense:
+                grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                         for g in grads]
+            if options.op is Reduction.ADASUM:
+                # Horovod 0.28.1's grouped_allreduce fails for Adasum: it reads a loop
+                # variable (`tensor`) that its own loop never set (UnboundLocalError,
+                # horovod/tensorflow/__init__.py). One allreduce per gradient works, and
+                # Horovod's background thread still fuses them into one buffer.
+                return [hvd.allreduce(g, op=op, compression=compression) for g in grads]
+            return hvd.grouped_allreduce(grads, op=op, compression=compression)
+
+        return allreduce
+
+    def finite_reduce_fn(self) -> Callable[[Any], Any]:
+        """Finite only if finite on every rank: all ranks skip the same steps."""
+        hvd = self.hvd
+
+        def all_ranks_finite(finite: Any) -> Any:
+            votes = hvd.allreduce(tf.cast(finite, tf.int32), op=hvd.Min,
+                                  name="tfdist_all_ranks_finite")
+            return tf.cast(votes, tf.bool)
+
+        return all_ranks_finite
+
+    def callbacks(self) -> list[Any]:
+        return [BroadcastState(self.hvd), AverageMetrics(self.hvd)]
+
+
+def _rank_slice(*element: Any, rank: int, size: int) -> Any:
+    """Rows [n*rank/size, n*(rank+1)/size) of every tensor in a (full) batch of n."""
+    element = element[0] if len(element) == 1 else element
+    rows = tf.shape(tf.nest.flatten(element)[0])[0]
+    start, stop = rows * rank // size, rows * (rank + 1) // size
+    return tf.nest.map_structure(lambda tensor: tensor[start:stop], element)
+
+
+class BroadcastState(keras.callbacks.Callback):
+    """Copies rank 0's weights and optimizer state to every rank before each fit's first step.
+
+    Before the first step, not at its end as Horovod's Keras 2 callback did, so the
+    first gradients are computed on the same weights everywhere; and at the first
+    batch rather than at `on_train_begin`, so that state restored by callbacks
+    such as `BackupAndRestore` (which restore in `on_train_begin`) is what spreads.
+
+    Args:
+        hvd: The `horovod.tensorflow` module, initialised.
+    """
+
+    def __init__(self, hvd: ModuleType):
+        super().__init__()
+        self._hvd = hvd
+        self._pending = False
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._pending = True
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        state = list(self.model.weights) + (list(optimizer.variables) if optimizer else [])
+        self._hvd.broadcast_variables([_tf_variable(v) for v in state], root_rank=0)
+
+
+class AverageMetrics(keras.callbacks.Callback):
+    """Replaces each logged metric by its mean across ranks, at epoch and evaluation ends.
+
+    Every rank's History (and what the chief prints) is then the same. Each rank's
+    value is the mean over its own slices, so the result is the mean over all
+    examples when every rank sees as many (as `runner.dataset` arranges for
+    training). Place callbacks that read these logs (History, checkpointing on the
+    best value) after it; Keras adds History last by itself. (`model.evaluate`
+    returns its own copy of the logs, which callbacks cannot change: evaluate on
+    `runner.dataset(..., drop_remainder=False)`, which is whole on every rank.)
+
+    Args:
+        hvd: The `horovod.tensorflow` module, initialised.
+    """
+
+    def __init__(self, hvd: ModuleType):
+        super().__init__()
+        self._hvd = hvd
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._average(logs)
+
+    def on_test_end(self, logs: Any = None) -> None:
+        self._average(logs)
+
+    def _average(self, logs: dict[str, Any] | None) -> None:
+        if not logs:
+            return
+        keys = sorted(key for key, value in logs.items() if _is_scalar(value))
+        if not keys:
+            return
+        local = tf.constant([float(logs[key]) for key in keys], dtype=tf.float64)
+        averaged = self._hvd.allreduce(local, op=self._hvd.Average, name="tfdist_metrics")
+        logs.update(zip(keys, averaged.numpy().tolist()))
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, numbers.Real) or (
+        isinstance(value, (np.ndarray, np.generic, tf.Tensor)) and np.size(value) == 1)
+
+
+def _tf_variable(variable: Any) -> tf.Variable:
+    """The `tf.Variable` under a Keras 3 variable (Horovod's ops take TensorFlow's own)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable

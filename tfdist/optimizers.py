@@ -1,0 +1,169 @@
+"""Keras optimizer wrappers for gradients reduced outside `tf.distribute`.
+
+Keras 3 computes gradients in its own train step and hands them to
+`optimizer.apply`; it has no hook for a reduction it does not run itself (the
+`DistributedOptimizer` of Horovod's Keras 2 integration overrides methods Keras 3
+never calls). So the reduction lives in an optimizer that wraps the user's:
+
+- `GradientReducingOptimizer` reduces the gradients with a given function (a
+  Horovod allreduce, say), then lets the inner optimizer apply them.
+- `AgreeingLossScaleOptimizer` is Keras's `LossScaleOptimizer` whose "are the
+  gradients finite?" answer is reduced across processes first, so that every
+  process skips the same steps and none waits in a collective the others skipped.
+
+Under mixed_float16 they compose as
+`AgreeingLossScaleOptimizer(GradientReducingOptimizer(inner))`: the gradients are
+unscaled before they are reduced, and a non-finite gradient on any process skips
+the step on all of them.
+
+Example:
+
+    reducing = GradientReducingOptimizer(keras.optimizers.SGD(0.1), reduce_fn=allreduce)
+    model.compile(optimizer=reducing, loss="mse")
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import keras
+import tensorflow as tf
+
+GradientReduceFn = Callable[[list[Any]], list[Any]]
+FiniteReduceFn = Callable[[tf.Tensor], tf.Tensor]
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class GradientReducingOptimizer(keras.optimizers.Optimizer):
+    """Reduces gradients with `reduce_fn`, then applies them with the inner optimizer.
+
+    Everything else (learning rate, iterations, slots, loss scaling, the config) is
+    the inner optimizer's, so schedules and checkpoints see the optimizer the user
+    built. The wrapper holds no state of its own that training changes.
+
+    Args:
+        inner_optimizer: The `keras.optimizers.Optimizer` that applies the updates.
+        reduce_fn: Takes the list of gradients that are not None (tensors or
+            `tf.IndexedSlices`, in variable order) and returns their reductions in
+            the same order. It runs inside the train step's `tf.function`, once per
+            step, on every process.
+        name: The optimizer's name.
+
+    Example:
+
+        optimizer = GradientReducingOptimizer(
+            keras.optimizers.Adam(1e-3),
+            reduce_fn=lambda grads: hvd.grouped_allreduce(grads, op=hvd.Average))
+    """
+
+    def __init__(self, inner_optimizer: keras.optimizers.Optimizer,
+                 reduce_fn: GradientReduceFn | None = None, name: str | None = None,
+                 **kwargs: Any):
+        if kwargs:
+            raise ValueError(f"{type(self).__name__} takes no optimizer arguments of its own; "
+                             f"set them on the inner optimizer. Received: {sorted(kwargs)}")
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        # None only after deserialisation: the reduction is a live function (bound to
+        # a communicator) that a saved config cannot hold.
+        self.reduce_fn = reduce_fn
+
+    def build(self, var_list: Sequence[Any]) -> None:
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    @property
+    def variables(self) -> list[Any]:
+        return self._variables + self.inner_optimizer.variables
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        self.inner_optimizer.apply(self.reduce(grads), trainable_variables=trainable_variables)
+
+    def reduce(self, grads: Sequence[Any]) -> list[Any]:
+        """Returns `grads` with every gradient that is not None reduced.
+
+        Args:
+            grads: One gradient (or None) per trainable variable.
+        """
+        if self.reduce_fn is None:
+            raise ValueError(f"{self.name} has no reduce_fn: a deserialised "
+                             f"{type(self).__name__} must be given one again")
+        grads = list(grads)
+        present = [index for index, grad in enumerate(grads) if grad is not None]
+        reduced = self.reduce_fn([grads[index] for index in present]) if present else []
+        if len(reduced) != len(present):
+            raise ValueError(f"reduce_fn returned {len(reduced)} gradients for {len(present)}")
+        for index, grad in zip(present, reduced):
+            grads[index] = grad
+        return grads
+
+    @property
+    def learning_rate(self) -> Any:
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate: Any) -> None:
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self) -> Any:
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss: Any) -> Any:
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self) -> dict[str, Any]:
+        # Only the name and the inner optimizer: the base class's options (clipping,
+        # EMA, ...) belong to the inner optimizer, which applies the updates.
+        return {"name": self.name,
+                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
+                                                      custom_objects=custom_objects)
+        return cls(inner, **config)
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class AgreeingLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Dynamic loss scaling whose skip decision is the same on every process.
+
+    Keras's `LossScaleOptimizer` checks its own process's gradients. When one
+    process sees an inf and another does not, one skips the step and the other
+    enters the gradient reduction alone and waits there for ever. Here the local
+    answer goes through `finite_reduce_fn` (for example a minimum across ranks)
+    before Keras acts on it.
+
+    Args:
+        inner_optimizer: The optimizer to apply unscaled gradients with.
+        finite_reduce_fn: Takes this process's finiteness as a boolean scalar and
+            returns whether the gradients are finite on every process. None: the
+            local answer, as in Keras.
+        **kwargs: `initial_scale`, `dynamic_growth_steps`, `name`, as in Keras.
+
+    Example:
+
+        optimizer = AgreeingLossScaleOptimizer(
+            inner, finite_reduce_fn=lambda ok: tf.cast(
+                hvd.allreduce(tf.cast(ok, tf.int32), op=hvd.Min), tf.bool))
+    """
+
+    def __init__(self, inner_optimizer: keras.optimizers.Optimizer,
+                 finite_reduce_fn: FiniteReduceFn | None = None, **kwargs: Any):
+        super().__init__(inner_optimizer, **kwargs)
+        self.finite_reduce_fn = finite_reduce_fn
+
+    def check_finite(self, grads: Sequence[Any]) -> Any:
+        finite = super().check_finite(grads)
+        if self.finite_reduce_fn is None:
+            return finite
+        return self.finite_reduce_fn(finite)
