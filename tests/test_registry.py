@@ -12,7 +12,7 @@ from tfdist.errors import ConfigError
 def test_builtin_lookup():
     assert registry.get("mirrored") is MirroredAdapter
     assert issubclass(registry.get(Strategy.ONE_DEVICE), Adapter)
-    assert registry.available() == ["one_device", "mirrored", "multi_worker", "tpu"]
+    assert registry.available() == ["one_device", "mirrored", "multi_worker", "tpu", "horovod"]
 
 
 def test_unknown_name_lists_the_known_ones():

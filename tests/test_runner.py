@@ -84,8 +84,3 @@ def test_threads_after_the_runtime_started_is_a_clear_error():
     current = tf.config.threading.get_inter_op_parallelism_threads()
     with pytest.raises(ConfigError, match="threads.inter_op=.*runtime has already started"):
         Runner(load_config(overrides={"strategy": "one_device", "threads.inter_op": current + 3}))
-
-
-def test_accumulation_is_refused_until_it_exists():
-    with pytest.raises(ConfigError, match="accumulation_steps > 1 is not available yet"):
-        Runner(load_config(overrides={"strategy": "one_device", "accumulation_steps": 4}))

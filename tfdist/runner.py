@@ -90,10 +90,6 @@ class Runner:
             logging.info("tfdist: strategy auto chose %s: %s", strategy_name.value, reason)
         else:
             strategy_name, self.strategy_reason = config.strategy, "requested"
-        if config.accumulation_steps > 1:
-            raise ConfigError("accumulation_steps > 1 is not available yet in this version of "
-                              "tfdist; use accumulation_steps: 1. "
-                              f"Received: accumulation_steps={config.accumulation_steps}")
         adapter_cls = registry.get(strategy_name)
         self.precision: PrecisionPolicy = resolve_precision(
             config.precision, strategy=strategy_name, cluster=self.cluster)
@@ -162,10 +158,13 @@ class Runner:
                 (`"adam"`, a config dict).
 
         Returns:
-            The optimizer, wrapped for loss scaling under mixed_float16 and for what
-            the strategy needs.
+            The optimizer, wrapped for what the strategy needs, for gradient
+            accumulation when `accumulation_steps` > 1, and for loss scaling under
+            mixed_float16 (see `tfdist.optimizers`).
         """
         import keras
+
+        from tfdist.optimizers import AccumulatingOptimizer
 
         with self.strategy.scope():
             try:
@@ -183,9 +182,12 @@ class Runner:
                 loss_scale_options = {"initial_scale": optimizer.initial_scale,
                                       "dynamic_growth_steps": optimizer.dynamic_growth_steps}
                 optimizer = optimizer.inner_optimizer
+            optimizer = self._adapter.wrap_optimizer(optimizer)
+            if self.config.accumulation_steps > 1:
+                optimizer = AccumulatingOptimizer(optimizer, steps=self.config.accumulation_steps)
             return self.precision.wrap_optimizer(
-                self._adapter.wrap_optimizer(optimizer),
-                finite_reduce_fn=self._adapter.finite_reduce_fn(), **loss_scale_options)
+                optimizer, finite_reduce_fn=self._adapter.finite_reduce_fn(),
+                **loss_scale_options)
 
     def dataset(self, source: Any, global_batch_size: int, *, drop_remainder: bool = True) -> Any:
         """Batches and places unbatched data as the strategy needs.

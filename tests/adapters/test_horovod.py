@@ -86,7 +86,8 @@ def trained(request, tmp_path_factory):
 
 def test_every_rank_equals_one_device(trained):
     by_rank, weights_by_rank, start, reference, _ = trained
-    assert all(report["iterations"] == 20 for report in by_rank.values())
+    assert all((report["iterations"], report["reductions"]) == (20, 20)
+               for report in by_rank.values())
     # Each rank's share of the cores (less one for Horovod above 2), not all of them.
     share = max(1, detect_cluster(probe_gpus=False).cpu_cores // 2)
     expected_threads = share - 1 if share > 2 else share
@@ -94,6 +95,30 @@ def test_every_rank_equals_one_device(trained):
     assert max_difference(reference, start) > 1e-2  # training moved the weights
     for rank in (0, 1):
         assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_accumulating_4_micro_batches_equals_one_device(optimizer, tmp_path):
+    # Micro-batches of 8 (4 per rank), 4 per update: the 20 updates of batch 32, and one
+    # allreduce per update, not per micro-batch.
+    by_rank, weights_by_rank = run_ranks(tmp_path, f"--optimizer={optimizer}", "--seed_by_rank",
+                                         "--set=accumulation_steps=4")
+    assert all((report["iterations"], report["reductions"]) == (20, 20)
+               for report in by_rank.values())
+    reference, _ = one_device_run(weights(tmp_path / "start.npz"), optimizer, steps=10,
+                                  epochs=2)
+    for rank in (0, 1):
+        assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
+
+
+def test_accumulation_under_mixed_float16_skips_the_cycle_with_an_inf_on_both_ranks(tmp_path):
+    by_rank, weights_by_rank = run_ranks(tmp_path, "--precision=mixed_float16",
+                                         "--inf_at_step=3", "--epochs=1",
+                                         "--set=accumulation_steps=4")
+    # 10 cycles of 4 micro-batches; the inf is in cycle 3 on rank 1: 9 updates on both.
+    assert [(by_rank[r]["iterations"], by_rank[r]["reductions"]) for r in (0, 1)] == [(9, 9)] * 2
+    assert [by_rank[rank]["loss_scale"] for rank in (0, 1)] == [2.0 ** 14] * 2
+    assert max_difference(weights_by_rank[0], weights_by_rank[1]) == 0.0
 
 
 def test_history_is_the_same_on_every_rank_and_is_the_global_mean(trained):

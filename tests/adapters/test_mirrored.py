@@ -117,3 +117,31 @@ def test_bare_stack_fails_on_a_second_mirrored_strategy(tmp_path):
 
 def test_tfdist_trains_one_model_after_another_under_new_mirrored_strategies():
     _train_two_models_in_turn(lambda: mirrored().strategy)
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_mixed_float16_inf_on_one_replica_skips_the_step_on_both(agree):
+    # Keras's LossScaleOptimizer acts on the first replica's finiteness alone: an inf
+    # in the second replica's half of a batch is all-reduced into the weights.
+    runner = mirrored(precision="mixed_float16")
+    rng = np.random.RandomState(0)
+    features = rng.randn(10 * GLOBAL_BATCH, 8).astype("float32")
+    labels = rng.randint(0, 3, 10 * GLOBAL_BATCH).astype("int32")
+    features[3 * GLOBAL_BATCH + GLOBAL_BATCH - 1, 0] = np.inf  # step 3, the second replica
+    with runner.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3),
+                                  keras.layers.Activation("softmax", dtype="float32")])
+        model.compile(runner.optimizer(keras.optimizers.SGD(0.1)),
+                      "sparse_categorical_crossentropy")
+    if not agree:
+        model.optimizer.finite_reduce_fn = None  # Keras's own decision
+    model.fit(runner.dataset(tf.data.Dataset.from_tensor_slices((features, labels)),
+                             GLOBAL_BATCH), epochs=1, verbose=0)
+    finite = all(np.all(np.isfinite(w)) for w in model.get_weights())
+    if agree:
+        assert finite
+        assert int(model.optimizer.iterations.numpy()) == 9
+        assert float(model.optimizer.dynamic_scale.numpy()) == 2.0 ** 14
+    else:
+        assert not finite

@@ -75,6 +75,22 @@ def test_equals_one_device(cpu_replicas, optimizer, replicas, tmp_path):
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(distributed, reference)) < TOLERANCE
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_accumulating_4_micro_batches_equals_one_device(optimizer, tmp_path):
+    # Micro-batches of 16 (8 per worker), 4 per update: the 20 updates of batch 64, and
+    # one gradient all-reduce per update, not per micro-batch.
+    out = tmp_path / "weights.npz"
+    result = launch([sys.executable, SCRIPT, str(out), f"--optimizer={optimizer}",
+                     "--accumulation_steps=4"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[worker:1] replicas=2 iterations=20 reductions=20 " in result.stdout
+    distributed = [array for _, array in sorted(np.load(out).items(),
+                                                key=lambda item: int(item[0].split("_")[1]))]
+    keras.backend.clear_session()
+    reference, _ = one_device_weights(optimizer)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(distributed, reference)) < TOLERANCE
+
+
 def test_bare_stack_fails_in_model_fit(tmp_path):
     result = launch([sys.executable, SCRIPT, str(tmp_path / "w.npz"), "--bare"], tmp_path)
     assert result.returncode != 0

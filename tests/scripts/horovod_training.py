@@ -71,6 +71,24 @@ class LocalLogs(keras.callbacks.Callback):
             self.history.setdefault(key, []).append(float(value))
 
 
+def count_reductions(optimizer):
+    """Counts the calls of the gradient allreduce inside tfdist's optimizer wrappers."""
+    import tensorflow as tf
+    from tfdist.optimizers import GradientReducingOptimizer
+
+    while not isinstance(optimizer, GradientReducingOptimizer):
+        optimizer = optimizer.inner_optimizer
+    reductions = tf.Variable(0, dtype=tf.int64, trainable=False)
+    allreduce = optimizer.reduce_fn
+
+    def counted(grads):
+        reductions.assign_add(1)
+        return allreduce(grads)
+
+    optimizer.reduce_fn = counted
+    return reductions
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
@@ -120,15 +138,19 @@ def main():
                       "sparse_categorical_crossentropy", metrics=["accuracy"])
     if args.without == "agreement":  # Keras's own skip decision: each rank for itself
         model.optimizer.finite_reduce_fn = None
+    reductions = count_reductions(model.optimizer)
     dropped = {"broadcast": BroadcastState, "average": AverageMetrics}.get(args.without)
     callbacks = [callback for callback in runner.callbacks()
                  if dropped is None or not isinstance(callback, dropped)]
     local = LocalLogs()
-    data = runner.dataset(tf.data.Dataset.from_tensor_slices((features, labels)), GLOBAL_BATCH)
+    # With accumulation, micro-batches of 1/K of the global batch: K per update.
+    micro_batch = GLOBAL_BATCH // runner.config.accumulation_steps
+    data = runner.dataset(tf.data.Dataset.from_tensor_slices((features, labels)), micro_batch)
     history = model.fit(data, epochs=args.epochs, callbacks=[local, *callbacks], verbose=0)
     optimizer = model.optimizer
     report = {"rank": rank, "iterations": int(optimizer.iterations.numpy()),
               "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+              "reductions": int(reductions.numpy()),
               "history": history.history, "local_history": local.history}
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         report["loss_scale"] = float(optimizer.dynamic_scale.numpy())

@@ -3,9 +3,10 @@
 Run by tests under `tfdist launch` (one process per worker) to compare with one_device:
 
     tfdist launch -n 2 -- python tests/scripts/multi_worker_weights.py OUT.npz \
-        [--cpu_replicas N] [--optimizer sgd|adam] [--undo FIX] [--bare]
+        [--cpu_replicas N] [--optimizer sgd|adam] [--accumulation_steps K] [--undo FIX] [--bare]
 
---undo FIX removes one of tfdist's Keras fixes after the Runner is built, to show the
+--accumulation_steps K trains with micro-batches of 1/K of the global batch, K per update,
+and reports how many gradient all-reduces ran. --undo FIX removes one of tfdist's Keras fixes after the Runner is built, to show the
 bug it fixes. --bare skips tfdist entirely: plain MultiWorkerMirroredStrategy + model.fit.
 """
 
@@ -41,11 +42,24 @@ def make_optimizer(name):
     return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
 
 
+def counting(optimizer):
+    """The optimizer as an instance of a subclass that counts its gradient all-reduces."""
+    class Counting(type(optimizer)):
+        reductions = tf.Variable(0, dtype=tf.int64, trainable=False)  # outside any strategy
+
+        def _all_reduce_sum_gradients(self, grads_and_vars):
+            Counting.reductions.assign_add(1)
+            return super()._all_reduce_sum_gradients(grads_and_vars)
+
+    return Counting.from_config(optimizer.get_config())
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--cpu_replicas", type=int, default=0)
     parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--accumulation_steps", type=int, default=1)
     parser.add_argument("--undo", choices=["symbolic_build", "metric_reduction"])
     parser.add_argument("--bare", action="store_true")
     args = parser.parse_args()
@@ -61,23 +75,27 @@ def main():
 
         runner = tfdist.Runner(tfdist.load_config(overrides={
             "strategy": "multi_worker", "precision": "float32",
-            "multi_worker.cpu_replicas": args.cpu_replicas}))
+            "multi_worker.cpu_replicas": args.cpu_replicas,
+            "accumulation_steps": args.accumulation_steps}))
         if args.undo == "symbolic_build":
             keras_compat.undo_symbolic_build_fix()
         elif args.undo == "metric_reduction":
             keras_compat.undo_multi_worker_fixes()
             keras_compat.fix_symbolic_build_for_multi_worker()
         dataset = tf.data.Dataset.from_tensor_slices(examples())
-        strategy, data, is_chief = runner.strategy, runner.dataset(dataset, GLOBAL_BATCH), \
-            runner.is_chief
+        strategy, is_chief = runner.strategy, runner.is_chief
+        data = runner.dataset(dataset, GLOBAL_BATCH // args.accumulation_steps)
     start = initial_weights()  # After the strategy: TensorFlow's runtime starts here.
     with strategy.scope():
         model = make_model()
         model.set_weights(start)
-        model.compile(make_optimizer(args.optimizer), "sparse_categorical_crossentropy")
+        optimizer = counting(make_optimizer(args.optimizer))
+        model.compile(optimizer if args.bare else runner.optimizer(optimizer),
+                      "sparse_categorical_crossentropy")
     history = model.fit(data, epochs=EPOCHS, shuffle=False, verbose=0)
     print(f"replicas={strategy.num_replicas_in_sync} "
-          f"iterations={int(model.optimizer.iterations.numpy())} loss={history.history['loss']}")
+          f"iterations={int(model.optimizer.iterations.numpy())} "
+          f"reductions={int(type(optimizer).reductions.numpy())} loss={history.history['loss']}")
     if is_chief:
         np.savez(args.out, *model.get_weights())
 

@@ -115,11 +115,21 @@ class Adapter(abc.ABC):
         return optimizer
 
     def finite_reduce_fn(self) -> Callable[[Any], Any] | None:
-        """Reduces "this process's gradients are finite" across processes, for loss scaling.
+        """Reduces "this replica's gradients are finite" across replicas, for loss scaling.
 
-        None (the base): the strategy keeps processes in step itself.
+        The base all-reduces it in the strategy's replica context, so that every
+        replica skips the same steps (see `tfdist.optimizers`); None with one replica.
         """
-        return None
+        if self.num_replicas == 1:
+            return None
+
+        def all_replicas_finite(finite: Any) -> Any:
+            not_finite = tf.cast(tf.logical_not(finite), tf.float32)
+            count = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, not_finite)
+            return tf.equal(count, 0.0)
+
+        return all_replicas_finite
 
     def callbacks(self) -> list[Any]:
         """Keras callbacks this strategy needs in `model.fit`. The base needs none."""

@@ -1,0 +1,166 @@
+"""Gradient accumulation under one_device and mirrored (2 CPU replicas), in this process.
+
+multi_worker and horovod are tested with real processes in tests/adapters/.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist.optimizers import AccumulatingOptimizer
+
+EXAMPLES, MICRO_BATCH, STEPS = 256, 16, 4  # 16 micro-batches, 4 updates per epoch
+TOLERANCE = 1e-5
+
+
+def examples(inf_at_micro_batch=None):
+    rng = np.random.RandomState(0)
+    features = rng.randn(EXAMPLES, 8).astype("float32")
+    labels = rng.randint(0, 3, EXAMPLES).astype("int32")
+    if inf_at_micro_batch is not None:  # the last row: the second replica's half
+        features[(inf_at_micro_batch + 1) * MICRO_BATCH - 1, 0] = np.inf
+    return tf.data.Dataset.from_tensor_slices((features, labels))
+
+
+def make_model():
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(3),
+                             keras.layers.Activation("softmax", dtype="float32")])
+
+
+def initial_weights():
+    keras.utils.set_random_seed(11)
+    return make_model().get_weights()
+
+
+def build(strategy, steps, optimizer, precision="float32", start=None):
+    """A compiled model under a fresh Runner: (runner, model)."""
+    keras.backend.clear_session()
+    overrides = {"strategy": strategy, "accumulation_steps": steps, "precision": precision}
+    if strategy == "mirrored":
+        overrides["mirrored.cpu_replicas"] = 2
+    runner = tfdist.Runner(tfdist.load_config(overrides=overrides))
+    with runner.scope():
+        model = make_model()
+        model.set_weights(initial_weights() if start is None else start)
+        made = keras.optimizers.SGD(0.1) if optimizer == "sgd" else keras.optimizers.Adam(0.01)
+        model.compile(runner.optimizer(made), "sparse_categorical_crossentropy")
+    return runner, model
+
+
+def trained(strategy, steps, batch, optimizer, epochs=2, **kwargs):
+    runner, model = build(strategy, steps, optimizer, **kwargs)
+    model.fit(runner.dataset(examples(), batch), epochs=epochs, verbose=0)
+    return model
+
+
+def max_difference(first, second):
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_k_micro_batches_equal_one_batch_k_times_larger(strategy, optimizer):
+    reference = trained("one_device", 1, STEPS * MICRO_BATCH, optimizer)
+    accumulated = trained(strategy, STEPS, MICRO_BATCH, optimizer)
+    assert int(accumulated.optimizer.iterations.numpy()) == 8  # updates, not micro-batches
+    assert max_difference(reference.get_weights(), initial_weights()) > 1e-2
+    assert max_difference(accumulated.get_weights(), reference.get_weights()) < TOLERANCE
+
+
+class CountingSGD(keras.optimizers.SGD):
+    """SGD that counts its cross-replica gradient reductions (once per replica each)."""
+
+    reductions = None  # a tf.Variable, set by the test (the optimizer is re-created from config)
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        CountingSGD.reductions.assign_add(1)
+        return super()._all_reduce_sum_gradients(grads_and_vars)
+
+
+@pytest.mark.parametrize("steps", [1, STEPS])
+def test_one_cross_replica_reduction_per_update(steps):
+    CountingSGD.reductions = tf.Variable(0, dtype=tf.int64, trainable=False)
+    runner = tfdist.Runner(tfdist.load_config(overrides={
+        "strategy": "mirrored", "mirrored.cpu_replicas": 2, "accumulation_steps": steps}))
+    with runner.scope():
+        model = make_model()
+        model.compile(runner.optimizer(CountingSGD(0.1)), "sparse_categorical_crossentropy")
+    model.fit(runner.dataset(examples(), MICRO_BATCH), epochs=1, verbose=0)
+    updates = (EXAMPLES // MICRO_BATCH) // steps
+    assert int(model.optimizer.iterations.numpy()) == updates
+    assert int(CountingSGD.reductions.numpy()) == updates * runner.num_replicas
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+def test_mixed_float16_inf_in_one_micro_batch_skips_its_whole_cycle(strategy):
+    runner, model = build(strategy, STEPS, "sgd", precision="mixed_float16")
+    model.fit(runner.dataset(examples(inf_at_micro_batch=5), MICRO_BATCH), epochs=1, verbose=0)
+    optimizer = model.optimizer
+    assert int(optimizer.iterations.numpy()) == 3  # 4 cycles, the second skipped
+    assert float(optimizer.dynamic_scale.numpy()) == 2.0 ** 14
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    # The skipped cycle leaves nothing behind: the same as training without its
+    # micro-batches (4 to 7).
+    runner, reference = build(strategy, STEPS, "sgd", precision="mixed_float16")
+    without = examples().take(4 * MICRO_BATCH).concatenate(examples().skip(8 * MICRO_BATCH))
+    reference.fit(runner.dataset(without, MICRO_BATCH), epochs=1, verbose=0)
+    assert int(reference.optimizer.iterations.numpy()) == 3
+    assert max_difference(model.get_weights(), reference.get_weights()) < TOLERANCE
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+def test_a_resume_in_the_middle_of_a_cycle_equals_no_interruption(strategy, tmp_path):
+    uninterrupted = trained(strategy, STEPS, MICRO_BATCH, "adam", epochs=1)
+    runner, model = build(strategy, STEPS, "adam")
+    model.fit(runner.dataset(examples(), MICRO_BATCH).take(6), epochs=1, verbose=0)
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
+        os.path.join(tmp_path, "checkpoint"))
+    runner, resumed = build(strategy, STEPS, "adam", start=[w * 0 for w in initial_weights()])
+    with runner.scope():
+        resumed.optimizer.build(resumed.trainable_variables)
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).read(
+        path).assert_existing_objects_matched()
+    assert int(resumed.optimizer.inner_optimizer.iterations.numpy()) == 1  # 6 = 4 + 2
+    resumed.fit(runner.dataset(examples(), MICRO_BATCH).skip(6), epochs=1, verbose=0)
+    assert max_difference(resumed.get_weights(), uninterrupted.get_weights()) < TOLERANCE
+
+
+def test_a_cycle_carries_over_the_end_of_an_epoch():
+    runner, model = build("one_device", 3, "sgd")
+    model.fit(runner.dataset(examples(), MICRO_BATCH), epochs=2, verbose=0)
+    # 2 x 16 micro-batches: 10 updates, and 2 micro-batches waiting for the next fit.
+    assert int(model.optimizer.iterations.numpy()) == 10
+    assert int(model.optimizer._micro_batches.numpy()) == 2
+
+
+def test_the_wrapper_saves_and_loads_with_the_model(tmp_path):
+    runner, model = build("one_device", STEPS, "adam")
+    model.fit(runner.dataset(examples(), MICRO_BATCH).take(6), epochs=1, verbose=0)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert isinstance(loaded.optimizer, AccumulatingOptimizer) and loaded.optimizer.steps == 4
+    assert int(loaded.optimizer._micro_batches.numpy()) == 2
+
+
+def test_keras_own_accumulation_fails_under_mirrored():
+    # keras-team/keras#20582: Keras's gradient_accumulation_steps under MirroredStrategy.
+    runner = tfdist.Runner(tfdist.load_config(overrides={
+        "strategy": "mirrored", "mirrored.cpu_replicas": 2}))
+    with runner.scope():
+        model = make_model()
+        model.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=STEPS),
+                      "sparse_categorical_crossentropy")
+    with pytest.raises(RuntimeError):
+        model.fit(runner.dataset(examples(), MICRO_BATCH), epochs=1, verbose=0)
+
+
+def test_steps_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        AccumulatingOptimizer(keras.optimizers.SGD(0.1), steps=0)
+    with pytest.raises(tfdist.ConfigError, match="accumulation_steps must be an integer >= 1"):
+        tfdist.load_config(overrides={"accumulation_steps": 0})
