@@ -27,6 +27,7 @@ bench: setup
 	$(BIN)/python benchmarks/precision.py
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/allreduce.py
+	$(BIN)/python benchmarks/accumulation.py
 
 clean:
 	rm -rf $(VENV) tfdist_output benchmarks/results .pytest_cache

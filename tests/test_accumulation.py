@@ -164,3 +164,16 @@ def test_steps_must_be_a_positive_integer():
         AccumulatingOptimizer(keras.optimizers.SGD(0.1), steps=0)
     with pytest.raises(tfdist.ConfigError, match="accumulation_steps must be an integer >= 1"):
         tfdist.load_config(overrides={"accumulation_steps": 0})
+
+
+def test_tfdist_train_reports_the_micro_and_the_effective_batch(tmp_path):
+    from tests.conftest import TFDIST, last_json_line, run_command
+
+    result = run_command([TFDIST, "train", "--strategy=mirrored", "--accumulation_steps=4",
+                          "--set", "mirrored.cpu_replicas=2", "--set", "train.epochs=2",
+                          "--set", "train.global_batch_size=16"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json_line(result.stdout)
+    assert (summary["accumulation_steps"], summary["global_batch_size"],
+            summary["effective_batch_size"]) == (4, 16, 64)
+    assert summary["accuracy"] > 0.5

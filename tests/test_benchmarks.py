@@ -15,6 +15,9 @@ pytestmark = pytest.mark.slow
     ("scaling.py", ["--repeats", "1", "--epochs", "2", "--steps", "2"], {"efficiency"}),
     ("allreduce.py", ["--repeats", "2"], {"ring_64mb_gbps", "memcpy_64mb_gbps",
                                           "horovod_64mb_gbps", "horovod_min_ratio"}),
+    ("accumulation.py", ["--micro_batch", "8", "--epochs", "2", "--updates_per_epoch", "1"],
+     {"memory_ratio_k8_vs_b", "time_ratio_k8_vs_8b", "speedup_k8_multi_worker",
+      "speedup_k8_horovod"}),
 ])
 def test_benchmark_prints_its_figures(script, args, keys, tmp_path):
     result = run_command([sys.executable, str(REPO / "benchmarks" / script), *args],

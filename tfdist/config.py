@@ -225,7 +225,8 @@ class TrainConfig:
 
     dataset: DatasetName = _field(DatasetName.DIGITS, "digits (real, bundled) or synthetic.")
     epochs: int = _field(5, "Passes over the training data.")
-    global_batch_size: int = _field(64, "Examples per step across all replicas.")
+    global_batch_size: int = _field(
+        64, "Examples per step across all replicas (the micro-batch when accumulating).")
     optimizer: OptimizerName = _field(OptimizerName.ADAM, "adam or sgd.")
     learning_rate: float = _field(1e-3, "Learning rate of the optimizer.")
     hidden_units: int = _field(128, "Width of the reference model's hidden layers.")
@@ -261,7 +262,10 @@ class Config:
     precision: Precision | None = _field(
         None, "float32, mixed_float16, mixed_bfloat16 or auto. "
               "Unset: the strategy's default (mixed_bfloat16 on TPU, float32 elsewhere).")
-    accumulation_steps: int = _field(1, "Micro-batches per optimizer update.")
+    accumulation_steps: int = _field(
+        1, "Micro-batches per optimizer update: gradients of this many steps are summed on "
+           "each replica and applied (and reduced across replicas) once, as one batch this "
+           "many times larger.")
     seed: int | None = _field(None, "Seed for Python, NumPy and TensorFlow. Unset: not seeded.")
     one_device: OneDeviceConfig = _field(OneDeviceConfig(), "Options of one_device.")
     mirrored: MirroredConfig = _field(MirroredConfig(), "Options of mirrored.")

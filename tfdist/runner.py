@@ -198,8 +198,9 @@ class Runner:
         Args:
             source: An unbatched `tf.data.Dataset`, or a function of
                 `tf.distribute.InputContext` returning one.
-            global_batch_size: Examples per step across all replicas; must divide by
-                `num_replicas`.
+            global_batch_size: Examples per step (one forward pass) across all
+                replicas; must divide by `num_replicas`. With `accumulation_steps` k
+                this is the micro-batch, and each update is over k times as many.
             drop_remainder: Drop a final partial batch (the default, so every step's
                 gradient is the mean over a full global batch). False suits evaluation.
 

@@ -62,7 +62,8 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
         runner: A Runner built from `config` already. None: build one.
 
     Returns:
-        The result: strategy, replicas, precision, accumulation_steps, epochs,
+        The result: strategy, replicas, precision, accumulation_steps,
+        global_batch_size (per forward pass) and effective_batch_size (per update), epochs,
         final_loss (training loss of the last epoch), accuracy (on the held-out
         split), examples_per_sec (median over epochs after the first), and more.
     """
@@ -99,7 +100,8 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
         "precision": runner.precision.name,
         "accumulation_steps": runner.config.accumulation_steps,
         "epochs": job.epochs,
-        "global_batch_size": job.global_batch_size,
+        "global_batch_size": job.global_batch_size,  # one forward pass: the micro-batch
+        "effective_batch_size": job.global_batch_size * runner.config.accumulation_steps,
         "dataset": job.dataset.value,
         "final_loss": float(history.history["loss"][-1]),
         "train_accuracy": float(history.history["accuracy"][-1]),

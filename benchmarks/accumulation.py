@@ -1,0 +1,149 @@
+"""Gradient accumulation: the memory it saves, what it costs in time, the communication it saves.
+
+1. Memory: a fresh process per setting trains a small CNN (64x64 images) under
+   `one_device`; peak resident memory (`ru_maxrss`) of micro-batch b with k = 8
+   against batch b with k = 1, with batch 8b, k = 1 beside them.
+2. Time per sample, in the same processes: k = 8 with micro-batch b against
+   k = 1 with batch 8b (the same update).
+3. Communication: a wide MLP (3 Dense layers of 2048, 12.6 M parameters, 50 MB of
+   gradients) with 2 local processes under `multi_worker` (tfdist launch) and
+   `horovod` (mpirun): samples per second with k = 8 against k = 1 at the same
+   micro-batch.
+
+Times are medians over epochs after the first (warm-up excluded).
+
+    .venv/bin/python benchmarks/accumulation.py [--micro_batch 32] [--epochs 4]
+
+The last line is JSON: the three memory figures and their ratios, the time ratio,
+and the k = 8 / k = 1 speed-ups under multi_worker and horovod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+K = 8
+
+
+def run_setting(args: argparse.Namespace) -> None:
+    """One training run; the chief prints its peak memory and time per sample as JSON."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfdist
+
+    runner = tfdist.Runner(tfdist.load_config(overrides={
+        "strategy": args.run, "accumulation_steps": args.steps, "seed": 0}))
+    rng = np.random.default_rng(0)
+    if args.model == "cnn":
+        features = rng.random((256, 64, 64, 3), dtype=np.float32)
+        layers = [keras.Input((64, 64, 3)),
+                  *[keras.layers.Conv2D(32, 3, padding="same", activation="relu")
+                    for _ in range(3)],
+                  keras.layers.GlobalAveragePooling2D()]
+    else:
+        features = rng.random((256, 1024), dtype=np.float32)
+        layers = [keras.Input((1024,)),
+                  *[keras.layers.Dense(2048, activation="relu") for _ in range(3)]]
+    labels = rng.integers(0, 10, len(features)).astype("int32")
+    with runner.scope():
+        model = keras.Sequential([*layers, keras.layers.Dense(10, activation="softmax")])
+        model.compile(runner.optimizer(keras.optimizers.SGD(0.01)),
+                      "sparse_categorical_crossentropy")
+    data = runner.dataset(tf.data.Dataset.from_tensor_slices((features, labels)).repeat(),
+                          args.batch)
+    steps_per_epoch = args.updates_per_epoch * args.steps
+
+    class EpochTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seconds = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seconds.append(time.perf_counter() - self.start)
+
+    timer = EpochTimer()
+    model.fit(data, epochs=args.epochs, steps_per_epoch=steps_per_epoch, callbacks=[
+        *runner.callbacks(), timer], verbose=0)
+    seconds = statistics.median(timer.seconds[1:])
+    if runner.is_chief:
+        print(json.dumps({"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                          "samples_per_sec": steps_per_epoch * args.batch / seconds}), flush=True)
+
+
+def measure(launcher: list[str], strategy: str, model: str, batch: int, steps: int,
+            args: argparse.Namespace) -> dict[str, float]:
+    """Runs one setting in fresh processes; returns the chief's figures."""
+    command = [*launcher, sys.executable, os.path.abspath(__file__), f"--run={strategy}",
+               f"--model={model}", f"--batch={batch}", f"--steps={steps}",
+               f"--epochs={args.epochs}", f"--updates_per_epoch={args.updates_per_epoch}"]
+    result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    lines = [line[line.index("{"):] for line in result.stdout.splitlines()
+             if '"maxrss_mb"' in line]
+    if result.returncode != 0 or not lines:
+        raise SystemExit(f"{' '.join(command)} failed:\n{(result.stdout + result.stderr)[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--micro_batch", type=int, default=32, help="b, per forward pass")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs per run (first: warm-up)")
+    parser.add_argument("--updates_per_epoch", type=int, default=3)
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="cnn", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        run_setting(args)
+        return
+    b = args.micro_batch
+    small = measure([], "one_device", "cnn", b, 1, args)
+    accumulated = measure([], "one_device", "cnn", b, K, args)
+    large = measure([], "one_device", "cnn", K * b, 1, args)
+    figures = {"benchmark": "accumulation", "micro_batch": b, "k": K,
+               "maxrss_mb": {"b_k1": round(small["maxrss_mb"]),
+                             "b_k8": round(accumulated["maxrss_mb"]),
+                             "8b_k1": round(large["maxrss_mb"])},
+               "memory_ratio_k8_vs_b": round(accumulated["maxrss_mb"] / small["maxrss_mb"], 3),
+               "memory_ratio_8b_vs_b": round(large["maxrss_mb"] / small["maxrss_mb"], 3),
+               "time_ratio_k8_vs_8b": round(large["samples_per_sec"]
+                                            / accumulated["samples_per_sec"], 3)}
+    print(f"memory (MB): batch {b}: {small['maxrss_mb']:.0f}; micro-batch {b} x {K}: "
+          f"{accumulated['maxrss_mb']:.0f}; batch {K * b}: {large['maxrss_mb']:.0f}")
+    print(f"samples/s: micro-batch {b} x {K}: {accumulated['samples_per_sec']:.0f}; "
+          f"batch {K * b}: {large['samples_per_sec']:.0f}")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []  # Open MPI refuses root unasked
+    launchers = {"multi_worker": [str(os.path.join(os.path.dirname(sys.executable), "tfdist")),
+                                  "launch", "-n", "2", "--"]}
+    if shutil.which("mpirun"):
+        launchers["horovod"] = [shutil.which("mpirun"), *root, "--oversubscribe", "-np", "2"]
+    for strategy, launcher in launchers.items():
+        one = measure(launcher, strategy, "mlp", b, 1, args)
+        eight = measure(launcher, strategy, "mlp", b, K, args)
+        speedup = eight["samples_per_sec"] / one["samples_per_sec"]
+        figures[f"speedup_k8_{strategy}"] = round(speedup, 2)
+        print(f"{strategy}, wide MLP, micro-batch {b}: {one['samples_per_sec']:.0f} samples/s "
+              f"(k=1), {eight['samples_per_sec']:.0f} (k={K}): {speedup:.2f}x")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
