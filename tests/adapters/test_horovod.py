@@ -47,7 +47,7 @@ def run_ranks(tmp_path, *args, timeout=90):
     return by_rank, {rank: weights(tmp_path / f"rank{rank}.npz") for rank in (0, 1)}
 
 
-def one_device_run(start, optimizer, steps, epochs, learning_rate=None):
+def one_device_run(start, optimizer, steps, epochs, learning_rate=None, embedding=False):
     """one_device with the global batch, from the same start: (weights, history)."""
     sys.path.insert(0, str(REPO / "tests" / "scripts"))
     import horovod_training as job
@@ -57,15 +57,15 @@ def one_device_run(start, optimizer, steps, epochs, learning_rate=None):
     runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device",
                                                          "precision": "float32"}))
     with runner.scope():
-        model = job.make_model()
+        model = job.make_model(embedding)
         model.set_weights(start)
         made = job.make_optimizer(optimizer)
         if learning_rate is not None:
             made.learning_rate = learning_rate
         model.compile(runner.optimizer(made), "sparse_categorical_crossentropy",
                       metrics=["accuracy"])
-    data = runner.dataset(tf.data.Dataset.from_tensor_slices(job.examples(steps)),
-                          job.GLOBAL_BATCH)
+    data = runner.dataset(tf.data.Dataset.from_tensor_slices(
+        job.examples(steps, embedding=embedding)), job.GLOBAL_BATCH)
     history = model.fit(data, epochs=epochs, verbose=0)
     return model.get_weights(), history.history
 
@@ -111,6 +111,18 @@ def test_accumulating_4_micro_batches_equals_one_device(optimizer, tmp_path):
         assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
 
 
+def test_a_cycle_carried_into_the_next_fit_keeps_each_ranks_accumulators(tmp_path):
+    # 16 micro-batches of 10 per epoch, 3 per update: the first fit ends 1 micro-batch into
+    # a cycle. The broadcast at the second fit's start must leave each rank's partial sums.
+    args = ["--set=accumulation_steps=3", "--steps=5", "--epochs=2", "--seed_by_rank"]
+    (tmp_path / "split").mkdir()
+    (tmp_path / "whole").mkdir()
+    _, split = run_ranks(tmp_path / "split", *args, "--fits=2")
+    _, whole = run_ranks(tmp_path / "whole", *args)
+    for rank in (0, 1):
+        assert max_difference(split[rank], whole[rank]) < TOLERANCE
+
+
 def test_accumulation_under_mixed_float16_skips_the_cycle_with_an_inf_on_both_ranks(tmp_path):
     by_rank, weights_by_rank = run_ranks(tmp_path, "--precision=mixed_float16",
                                          "--inf_at_step=3", "--epochs=1",
@@ -141,6 +153,17 @@ def test_summed_gradients_or_a_scaled_rate_equal_one_device_at_twice_the_rate(se
     by_rank, weights_by_rank = run_ranks(tmp_path, "--optimizer=sgd", f"--set={setting}")
     reference, _ = one_device_run(weights(tmp_path / "start.npz"), "sgd", steps=10, epochs=2,
                                   learning_rate=0.2)
+    for rank in (0, 1):
+        assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
+
+
+@pytest.mark.parametrize("as_dense", ["false", "true"])
+def test_sparse_embedding_gradients_equal_one_device(as_dense, tmp_path):
+    # Embedding gradients are tf.IndexedSlices: allgathered, or allreduced as dense.
+    by_rank, weights_by_rank = run_ranks(tmp_path, "--embedding", "--seed_by_rank",
+                                         f"--set=horovod.sparse_as_dense={as_dense}")
+    reference, _ = one_device_run(weights(tmp_path / "start.npz"), "sgd", steps=10, epochs=2,
+                                  embedding=True)
     for rank in (0, 1):
         assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
 

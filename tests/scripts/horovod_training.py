@@ -5,7 +5,8 @@ one_device:
 
     mpirun -np 2 python tests/scripts/horovod_training.py OUT_DIR \
         [--optimizer sgd|adam] [--steps N] [--seed_by_rank] [--precision P] \
-        [--inf_at_step S] [--without broadcast|average|agreement] [--set KEY=VALUE] [--bare]
+        [--inf_at_step S] [--without broadcast|average|agreement] [--set KEY=VALUE] \
+        [--embedding] [--bare]
 
 Each rank writes OUT_DIR/rank<R>.npz (final weights) and prints one JSON line:
 rank, iterations, history (as fit returned it), local_history (each rank's own
@@ -14,7 +15,8 @@ values, logged before tfdist averages them), loss_scale (under mixed_float16).
 --seed_by_rank initialises rank r's model with seed 100 + r (rank 0's initial
 weights are saved too); otherwise every rank starts from seed 11's weights.
 --inf_at_step S puts an inf into rank 1's slice of step S. --set horovod.op=sum (and
-other config keys) is passed to the config. --without drops one
+other config keys) is passed to the config. --embedding puts an Embedding layer
+(sparse gradients) in front of the model. --fits N calls fit N times, epochs / N each. --without drops one
 of tfdist's Horovod callbacks, or the agreement on skipped steps, to show what it
 is for. --bare trains with
 Horovod's own Keras integration instead of tfdist.
@@ -30,29 +32,37 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-GLOBAL_BATCH, FEATURES, CLASSES = 32, 8, 3
+GLOBAL_BATCH, FEATURES, CLASSES, VOCABULARY = 32, 8, 3, 40
 
 
-def examples(steps, inf_at_step=None):
-    """steps * GLOBAL_BATCH examples; with inf_at_step, one inf in rank 1's half of that step."""
+def examples(steps, inf_at_step=None, embedding=False):
+    """steps * GLOBAL_BATCH examples; with inf_at_step, one inf in rank 1's half of that step.
+
+    With embedding, the features are token ids, for a model with an Embedding layer.
+    """
     rng = np.random.RandomState(0)
-    features = rng.randn(steps * GLOBAL_BATCH, FEATURES).astype("float32")
+    if embedding:
+        features = rng.randint(0, VOCABULARY, (steps * GLOBAL_BATCH, FEATURES)).astype("int32")
+    else:
+        features = rng.randn(steps * GLOBAL_BATCH, FEATURES).astype("float32")
     labels = rng.randint(0, CLASSES, steps * GLOBAL_BATCH).astype("int32")
     if inf_at_step is not None:
         features[inf_at_step * GLOBAL_BATCH + GLOBAL_BATCH - 1, 0] = np.inf  # last row: rank 1
     return features, labels
 
 
-def make_model():
+def make_model(embedding=False):
+    """An MLP; with embedding, an Embedding layer (sparse gradients) in front of it."""
+    inputs = [keras.Input((FEATURES,), dtype="int32"), keras.layers.Embedding(VOCABULARY, 4),
+              keras.layers.Flatten()] if embedding else [keras.Input((FEATURES,))]
     return keras.Sequential([
-        keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
-        keras.layers.Dense(CLASSES),
+        *inputs, keras.layers.Dense(16, activation="relu"), keras.layers.Dense(CLASSES),
         keras.layers.Activation("softmax", dtype="float32")])
 
 
-def initial_weights(seed):
+def initial_weights(seed, embedding=False):
     keras.utils.set_random_seed(seed)
-    return [w.copy() for w in make_model().get_weights()]
+    return [w.copy() for w in make_model(embedding).get_weights()]
 
 
 def make_optimizer(name):
@@ -100,12 +110,14 @@ def main():
     parser.add_argument("--inf_at_step", type=int)
     parser.add_argument("--without", choices=["broadcast", "average", "agreement"])
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--embedding", action="store_true")
+    parser.add_argument("--fits", type=int, default=1, help="split the epochs over this many fits")
     parser.add_argument("--bare", action="store_true")
     args = parser.parse_args()
 
     import tensorflow as tf
 
-    features, labels = examples(args.steps, args.inf_at_step)
+    features, labels = examples(args.steps, args.inf_at_step, args.embedding)
     if args.bare:
         import horovod.tensorflow.keras as hvd_keras
 
@@ -130,9 +142,9 @@ def main():
 
     rank = hvd.rank()
     seed = 100 + rank if args.seed_by_rank else 11
-    start = initial_weights(seed)
+    start = initial_weights(seed, args.embedding)
     with runner.scope():
-        model = make_model()
+        model = make_model(args.embedding)
         model.set_weights(start)
         model.compile(runner.optimizer(make_optimizer(args.optimizer)),
                       "sparse_categorical_crossentropy", metrics=["accuracy"])
@@ -146,7 +158,9 @@ def main():
     # With accumulation, micro-batches of 1/K of the global batch: K per update.
     micro_batch = GLOBAL_BATCH // runner.config.accumulation_steps
     data = runner.dataset(tf.data.Dataset.from_tensor_slices((features, labels)), micro_batch)
-    history = model.fit(data, epochs=args.epochs, callbacks=[local, *callbacks], verbose=0)
+    for fit in range(args.fits):
+        history = model.fit(data, epochs=args.epochs // args.fits, callbacks=[local, *callbacks],
+                            verbose=0)
     optimizer = model.optimizer
     report = {"rank": rank, "iterations": int(optimizer.iterations.numpy()),
               "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),

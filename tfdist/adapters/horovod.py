@@ -203,6 +203,8 @@ def _rank_slice(*element: Any, rank: int, size: int) -> Any:
 class BroadcastState(keras.callbacks.Callback):
     """Copies rank 0's weights and optimizer state to every rank before each fit's first step.
 
+    Replica-local variables (each rank's gradient accumulators) are left as they are.
+
     Before the first step, not at its end as Horovod's Keras 2 callback did, so the
     first gradients are computed on the same weights everywhere; and at the first
     batch rather than at `on_train_begin`, so that state restored by callbacks
@@ -228,7 +230,11 @@ class BroadcastState(keras.callbacks.Callback):
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
         state = list(self.model.weights) + (list(optimizer.variables) if optimizer else [])
-        self._hvd.broadcast_variables([_tf_variable(v) for v in state], root_rank=0)
+        # Replica-local state (gradient accumulators) is each rank's own by design: a
+        # fit that starts in the middle of an accumulation cycle must keep it.
+        shared = [variable for variable in map(_tf_variable, state)
+                  if variable.synchronization != tf.VariableSynchronization.ON_READ]
+        self._hvd.broadcast_variables(shared, root_rank=0)
 
 
 class AverageMetrics(keras.callbacks.Callback):
