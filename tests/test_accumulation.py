@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist.optimizers import AccumulatingOptimizer
+from tfdist.accumulation import AccumulatingOptimizer
 
 EXAMPLES, MICRO_BATCH, STEPS = 256, 16, 4  # 16 micro-batches, 4 updates per epoch
 TOLERANCE = 1e-5

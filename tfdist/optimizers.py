@@ -7,17 +7,16 @@ never calls). So the reduction lives in an optimizer that wraps the user's:
 
 - `GradientReducingOptimizer` reduces the gradients with a given function (a
   Horovod allreduce, say), then lets the inner optimizer apply them.
-- `AccumulatingOptimizer` sums micro-batch gradients on each replica and lets the
-  inner optimizer apply (and reduce) their mean once per cycle.
 - `AgreeingLossScaleOptimizer` is Keras's `LossScaleOptimizer` whose "are the
   gradients finite?" answer is reduced across replicas and processes first, so
   that all skip the same steps: none waits in a collective the others skipped,
   and none applies an inf another replica computed.
 
-They compose as `AgreeingLossScaleOptimizer(AccumulatingOptimizer(
-GradientReducingOptimizer(inner)))`, each present only when needed: gradients are
-unscaled before they are accumulated, accumulated before they are reduced, and a
-non-finite gradient on any replica skips the update on all of them.
+With `tfdist.accumulation.AccumulatingOptimizer` they compose as
+`AgreeingLossScaleOptimizer(AccumulatingOptimizer(GradientReducingOptimizer(inner)))`,
+each present only when needed: gradients are unscaled before they are accumulated,
+accumulated before they are reduced, and a non-finite gradient on any replica skips
+the update on all of them.
 
 Example:
 
@@ -153,128 +152,6 @@ class GradientReducingOptimizer(WrappingOptimizer):
 
 
 @keras.saving.register_keras_serializable(package="tfdist")
-class AccumulatingOptimizer(WrappingOptimizer):
-    """Sums `steps` micro-batches' gradients locally, then applies their mean once.
-
-    Each replica adds its gradients to its own float32 accumulators (TensorFlow
-    `ON_READ` variables: no communication when written). After `steps` calls, the
-    inner optimizer applies the accumulated mean, and its own gradient reduction
-    (tf.distribute's all-reduce, or a `GradientReducingOptimizer` inside) runs
-    once for the `steps` micro-batches. Updates, `iterations` and learning-rate
-    schedules count applied updates. A cycle carries over an epoch's end: the
-    count runs over micro-batches, not epochs.
-
-    Inside `AgreeingLossScaleOptimizer`, a non-finite micro-batch is not added, and
-    its whole cycle is skipped (`skip_cycle`) on every replica.
-
-    The accumulators and the count are optimizer variables, so checkpoints hold them
-    and a resume in the middle of a cycle goes on where it stopped. Saved from
-    several replicas, each accumulator holds their sum, which is restored split
-    evenly; the update depends only on that sum, so it is the same.
-
-    Args:
-        inner_optimizer: The optimizer that applies the mean of each cycle.
-        steps: Micro-batches per update (>= 1).
-        name: The optimizer's name.
-
-    Example:
-
-        optimizer = AccumulatingOptimizer(keras.optimizers.SGD(0.1), steps=4)
-        # model.fit with batch b now updates like batch 4b, every 4 steps
-    """
-
-    def __init__(self, inner_optimizer: keras.optimizers.Optimizer, steps: int = 1,
-                 name: str | None = None, **kwargs: Any):
-        super().__init__(inner_optimizer, name=name, **kwargs)
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an integer >= 1. Received: steps={steps!r}")
-        self.steps = steps
-
-    def build(self, var_list: Sequence[Any]) -> None:
-        super().build(var_list)
-        with keras.name_scope(self.name, caller=self):
-            self._accumulators = [
-                self._replica_local(variable.shape, "float32", "sum",
-                                    f"{getattr(variable, 'path', variable.name)}_accumulated"
-                                    .replace("/", "_").replace(":", "_"))
-                for variable in var_list]
-            self._micro_batches = self._replica_local((), "int64", "only_first_replica",
-                                                      "micro_batches")
-            self._cycle_skipped = self._replica_local((), "int64", "only_first_replica",
-                                                      "cycle_skipped")
-
-    def _replica_local(self, shape: Any, dtype: str, aggregation: str, name: str) -> Any:
-        variable = keras.Variable(initializer="zeros", shape=shape, dtype=dtype,
-                                  trainable=False, aggregation=aggregation,
-                                  synchronization="on_read", name=name)
-        self._track_variable(variable)
-        return variable
-
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "steps": self.steps}
-
-    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
-        self._build_if_needed(trainable_variables)
-        for accumulator, grad in zip(self._accumulators, grads):
-            if grad is not None:
-                accumulator.assign_add(tf.cast(tf.convert_to_tensor(grad), tf.float32))
-        self._micro_batches.assign_add(1)
-        self._end_cycle_if_complete(trainable_variables)
-
-    def skip_cycle(self) -> None:
-        """Counts a micro-batch that is not added, and skips the update of its cycle."""
-        def skip() -> None:
-            self._cycle_skipped.assign(1)
-            self._micro_batches.assign_add(1)
-            tf.cond(self._micro_batches.value >= self.steps, self._reset, _nothing)
-
-        if tf.distribute.in_cross_replica_context():
-            tf.distribute.get_strategy().extended.call_for_each_replica(skip)
-        else:
-            skip()
-
-    def _end_cycle_if_complete(self, trainable_variables: Sequence[Any] | None) -> None:
-        def decide(run: Callable[..., Any]) -> None:
-            complete = self._micro_batches.value >= self.steps
-            apply = tf.logical_and(complete, tf.equal(self._cycle_skipped.value, 0))
-            def reset_if_complete() -> None:
-                tf.cond(complete, lambda: run(self._reset), _nothing)
-
-            tf.cond(apply, lambda: run(self._apply_and_reset, trainable_variables),
-                    reset_if_complete)
-
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            decide(lambda fn, *args: fn(*args) and None)
-        else:
-            # A branch that reaches a merge_call (the inner optimizer's update does)
-            # cannot sit in a cond in replica context under MirroredStrategy (the
-            # failure of Keras's own accumulation, keras-team/keras#20582): decide in
-            # cross-replica context, from the first replica's count (all are equal),
-            # and run each branch back in every replica, as Keras's LossScaleOptimizer
-            # does.
-            def cross_replica(distribution: tf.distribute.Strategy) -> None:
-                decide(lambda fn, *args: distribution.extended.call_for_each_replica(
-                    fn, args=args) and None)
-
-            tf.distribute.get_replica_context().merge_call(cross_replica)
-
-    def _apply_and_reset(self, trainable_variables: Sequence[Any] | None = None) -> None:
-        mean = [accumulator.value / float(self.steps) for accumulator in self._accumulators]
-        self.inner_optimizer.apply(mean, trainable_variables=trainable_variables)
-        self._reset()
-
-    def _reset(self) -> None:
-        for accumulator in self._accumulators:
-            accumulator.assign(tf.zeros_like(accumulator.value))
-        self._micro_batches.assign(0)
-        self._cycle_skipped.assign(0)
-
-
-def _nothing() -> None:
-    """A cond branch that does nothing (tf.no_op would return an op the other lacks)."""
-
-
-@keras.saving.register_keras_serializable(package="tfdist")
 class AgreeingLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """Dynamic loss scaling whose skip decision is the same on every replica and process.
 
@@ -313,8 +190,10 @@ class AgreeingLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _stateful_handle_non_finite_grads(self) -> None:
         super()._stateful_handle_non_finite_grads()
-        if isinstance(self.inner_optimizer, AccumulatingOptimizer):
-            self.inner_optimizer.skip_cycle()
+        # An accumulating inner optimizer skips the whole cycle of this micro-batch.
+        skip_cycle = getattr(self.inner_optimizer, "skip_cycle", None)
+        if skip_cycle is not None:
+            skip_cycle()
 
     def _agreed(self, grads: Sequence[Any]) -> list[Any]:
         """`grads`, with a NaN in the first one when any replica's are not all finite."""

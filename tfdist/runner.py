@@ -164,7 +164,7 @@ class Runner:
         """
         import keras
 
-        from tfdist.optimizers import AccumulatingOptimizer
+        from tfdist.accumulation import AccumulatingOptimizer
 
         with self.strategy.scope():
             try:

@@ -1,0 +1,145 @@
+"""Gradient accumulation that works under every strategy, with one reduction per update.
+
+Keras's own `gradient_accumulation_steps` puts the update in a cond in replica
+context, which `MirroredStrategy` forbids (keras-team/keras#20582), and Horovod's
+`backward_passes_per_step` exists only for Keras 2. `AccumulatingOptimizer` wraps
+the optimizer instead: each replica sums its micro-batch gradients locally, and
+the inner optimizer applies (and reduces across replicas) their mean once per
+cycle, as DDP's `no_sync` does.
+
+Example:
+
+    optimizer = AccumulatingOptimizer(keras.optimizers.SGD(0.1), steps=4)
+    model.compile(optimizer, "mse")   # batch b now updates like batch 4b, every 4 steps
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import keras
+import tensorflow as tf
+
+from tfdist.optimizers import WrappingOptimizer
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class AccumulatingOptimizer(WrappingOptimizer):
+    """Sums `steps` micro-batches' gradients locally, then applies their mean once.
+
+    Each replica adds its gradients to its own float32 accumulators (TensorFlow
+    `ON_READ` variables: no communication when written). After `steps` calls, the
+    inner optimizer applies the accumulated mean, and its own gradient reduction
+    (tf.distribute's all-reduce, or a `GradientReducingOptimizer` inside) runs
+    once for the `steps` micro-batches. Updates, `iterations` and learning-rate
+    schedules count applied updates. A cycle carries over an epoch's end: the
+    count runs over micro-batches, not epochs.
+
+    Inside `tfdist.optimizers.AgreeingLossScaleOptimizer`, a non-finite micro-batch is not added, and
+    its whole cycle is skipped (`skip_cycle`) on every replica.
+
+    The accumulators and the count are optimizer variables, so checkpoints hold them
+    and a resume in the middle of a cycle goes on where it stopped. Saved from
+    several replicas, each accumulator holds their sum, which is restored split
+    evenly; the update depends only on that sum, so it is the same.
+
+    Args:
+        inner_optimizer: The optimizer that applies the mean of each cycle.
+        steps: Micro-batches per update (>= 1).
+        name: The optimizer's name.
+
+    Example:
+
+        optimizer = AccumulatingOptimizer(keras.optimizers.SGD(0.1), steps=4)
+        # model.fit with batch b now updates like batch 4b, every 4 steps
+    """
+
+    def __init__(self, inner_optimizer: keras.optimizers.Optimizer, steps: int = 1,
+                 name: str | None = None, **kwargs: Any):
+        super().__init__(inner_optimizer, name=name, **kwargs)
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1. Received: steps={steps!r}")
+        self.steps = steps
+
+    def build(self, var_list: Sequence[Any]) -> None:
+        super().build(var_list)
+        with keras.name_scope(self.name, caller=self):
+            self._accumulators = [
+                self._replica_local(variable.shape, "float32", "sum",
+                                    f"{getattr(variable, 'path', variable.name)}_accumulated"
+                                    .replace("/", "_").replace(":", "_"))
+                for variable in var_list]
+            self._micro_batches = self._replica_local((), "int64", "only_first_replica",
+                                                      "micro_batches")
+            self._cycle_skipped = self._replica_local((), "int64", "only_first_replica",
+                                                      "cycle_skipped")
+
+    def _replica_local(self, shape: Any, dtype: str, aggregation: str, name: str) -> Any:
+        variable = keras.Variable(initializer="zeros", shape=shape, dtype=dtype,
+                                  trainable=False, aggregation=aggregation,
+                                  synchronization="on_read", name=name)
+        self._track_variable(variable)
+        return variable
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "steps": self.steps}
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
+        self._build_if_needed(trainable_variables)
+        for accumulator, grad in zip(self._accumulators, grads):
+            if grad is not None:
+                accumulator.assign_add(tf.cast(tf.convert_to_tensor(grad), tf.float32))
+        self._micro_batches.assign_add(1)
+        self._end_cycle_if_complete(trainable_variables)
+
+    def skip_cycle(self) -> None:
+        """Counts a micro-batch that is not added, and skips the update of its cycle."""
+        def skip() -> None:
+            self._cycle_skipped.assign(1)
+            self._micro_batches.assign_add(1)
+            tf.cond(self._micro_batches.value >= self.steps, self._reset, _nothing)
+
+        if tf.distribute.in_cross_replica_context():
+            tf.distribute.get_strategy().extended.call_for_each_replica(skip)
+        else:
+            skip()
+
+    def _end_cycle_if_complete(self, trainable_variables: Sequence[Any] | None) -> None:
+        def decide(run: Callable[..., Any]) -> None:
+            complete = self._micro_batches.value >= self.steps
+            apply = tf.logical_and(complete, tf.equal(self._cycle_skipped.value, 0))
+            def reset_if_complete() -> None:
+                tf.cond(complete, lambda: run(self._reset), _nothing)
+
+            tf.cond(apply, lambda: run(self._apply_and_reset, trainable_variables),
+                    reset_if_complete)
+
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            decide(lambda fn, *args: fn(*args) and None)
+        else:
+            # A branch that reaches a merge_call (the inner optimizer's update does)
+            # cannot sit in a cond in replica context under MirroredStrategy (the
+            # failure of Keras's own accumulation, keras-team/keras#20582): decide in
+            # cross-replica context, from the first replica's count (all are equal),
+            # and run each branch back in every replica, as Keras's LossScaleOptimizer
+            # does.
+            def cross_replica(distribution: tf.distribute.Strategy) -> None:
+                decide(lambda fn, *args: distribution.extended.call_for_each_replica(
+                    fn, args=args) and None)
+
+            tf.distribute.get_replica_context().merge_call(cross_replica)
+
+    def _apply_and_reset(self, trainable_variables: Sequence[Any] | None = None) -> None:
+        mean = [accumulator.value / float(self.steps) for accumulator in self._accumulators]
+        self.inner_optimizer.apply(mean, trainable_variables=trainable_variables)
+        self._reset()
+
+    def _reset(self) -> None:
+        for accumulator in self._accumulators:
+            accumulator.assign(tf.zeros_like(accumulator.value))
+        self._micro_batches.assign(0)
+        self._cycle_skipped.assign(0)
+
+
+def _nothing() -> None:
+    """A cond branch that does nothing (tf.no_op would return an op the other lacks)."""
