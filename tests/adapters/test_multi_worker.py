@@ -91,6 +91,24 @@ def test_accumulating_4_micro_batches_equals_one_device(optimizer, tmp_path):
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(distributed, reference)) < TOLERANCE
 
 
+@pytest.mark.parametrize("keras_own", [False, True])
+def test_mixed_float16_inf_on_one_worker_skips_the_step_on_both(keras_own, tmp_path):
+    # An inf in worker 1's half of step 3 (each epoch). Keras's LossScaleOptimizer decides
+    # per worker: worker 0 enters the gradient all-reduce alone and waits, here until
+    # multi_worker.timeout_seconds (10 s) turns the hang into an error.
+    out = tmp_path / "weights.npz"
+    result = launch([sys.executable, SCRIPT, str(out), "--inf_at_step=3"]
+                    + (["--keras_loss_scaling"] if keras_own else []), tmp_path)
+    if keras_own:
+        assert result.returncode != 0
+        assert "Collective has timed out during execution" in result.stdout
+        return
+    assert result.returncode == 0, result.stdout[-3000:]
+    for worker in (0, 1):  # 20 steps, 2 skipped on both
+        assert f"[worker:{worker}] replicas=2 iterations=18 " in result.stdout
+    assert all(np.all(np.isfinite(array)) for array in np.load(out).values())
+
+
 def test_bare_stack_fails_in_model_fit(tmp_path):
     result = launch([sys.executable, SCRIPT, str(tmp_path / "w.npz"), "--bare"], tmp_path)
     assert result.returncode != 0

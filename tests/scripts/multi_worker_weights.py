@@ -3,8 +3,11 @@
 Run by tests under `tfdist launch` (one process per worker) to compare with one_device:
 
     tfdist launch -n 2 -- python tests/scripts/multi_worker_weights.py OUT.npz \
-        [--cpu_replicas N] [--optimizer sgd|adam] [--accumulation_steps K] [--undo FIX] [--bare]
+        [--cpu_replicas N] [--optimizer sgd|adam] [--accumulation_steps K] \
+        [--inf_at_step S [--keras_loss_scaling]] [--undo FIX] [--bare]
 
+--inf_at_step S trains under mixed_float16 with an inf in worker 1's half of step S
+(--keras_loss_scaling: with Keras's own per-worker skip decision).
 --accumulation_steps K trains with micro-batches of 1/K of the global batch, K per update,
 and reports how many gradient all-reduces ran. --undo FIX removes one of tfdist's Keras fixes after the Runner is built, to show the
 bug it fixes. --bare skips tfdist entirely: plain MultiWorkerMirroredStrategy + model.fit.
@@ -60,6 +63,9 @@ def main():
     parser.add_argument("--cpu_replicas", type=int, default=0)
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--accumulation_steps", type=int, default=1)
+    parser.add_argument("--inf_at_step", type=int, help="mixed_float16, an inf in worker 1's half")
+    parser.add_argument("--keras_loss_scaling", action="store_true",
+                        help="with --inf_at_step: Keras's own skip decision, per worker")
     parser.add_argument("--undo", choices=["symbolic_build", "metric_reduction"])
     parser.add_argument("--bare", action="store_true")
     args = parser.parse_args()
@@ -74,15 +80,21 @@ def main():
         from tfdist import keras_compat
 
         runner = tfdist.Runner(tfdist.load_config(overrides={
-            "strategy": "multi_worker", "precision": "float32",
+            "strategy": "multi_worker",
+            "precision": "float32" if args.inf_at_step is None else "mixed_float16",
             "multi_worker.cpu_replicas": args.cpu_replicas,
-            "accumulation_steps": args.accumulation_steps}))
+            "accumulation_steps": args.accumulation_steps,
+            # Keras's own decision leaves one worker waiting in a collective: end the wait.
+            "multi_worker.timeout_seconds": 10.0 if args.keras_loss_scaling else 0.0}))
         if args.undo == "symbolic_build":
             keras_compat.undo_symbolic_build_fix()
         elif args.undo == "metric_reduction":
             keras_compat.undo_multi_worker_fixes()
             keras_compat.fix_symbolic_build_for_multi_worker()
-        dataset = tf.data.Dataset.from_tensor_slices(examples())
+        features, labels = examples()
+        if args.inf_at_step is not None:
+            features[args.inf_at_step * GLOBAL_BATCH + GLOBAL_BATCH - 1, 0] = np.inf
+        dataset = tf.data.Dataset.from_tensor_slices((features, labels))
         strategy, is_chief = runner.strategy, runner.is_chief
         data = runner.dataset(dataset, GLOBAL_BATCH // args.accumulation_steps)
     start = initial_weights()  # After the strategy: TensorFlow's runtime starts here.
@@ -92,6 +104,8 @@ def main():
         optimizer = counting(make_optimizer(args.optimizer))
         model.compile(optimizer if args.bare else runner.optimizer(optimizer),
                       "sparse_categorical_crossentropy")
+    if args.keras_loss_scaling:
+        model.optimizer.finite_reduce_fn = None
     history = model.fit(data, epochs=EPOCHS, shuffle=False, verbose=0)
     print(f"replicas={strategy.num_replicas_in_sync} "
           f"iterations={int(model.optimizer.iterations.numpy())} "
