@@ -35,8 +35,8 @@ class AccumulatingOptimizer(WrappingOptimizer):
     schedules count applied updates. A cycle carries over an epoch's end: the
     count runs over micro-batches, not epochs.
 
-    Inside `tfdist.optimizers.AgreeingLossScaleOptimizer`, a non-finite micro-batch is not added, and
-    its whole cycle is skipped (`skip_cycle`) on every replica.
+    Inside `tfdist.optimizers.AgreeingLossScaleOptimizer`, a non-finite micro-batch
+    is not added, and its whole cycle is skipped (`skip_cycle`) on every replica.
 
     The accumulators and the count are optimizer variables, so checkpoints hold them
     and a resume in the middle of a cycle goes on where it stopped. Saved from

@@ -203,7 +203,8 @@ def parse_tf_config(text: str) -> TFConfigInfo:
         raise ConfigError(f"TF_CONFIG is not valid JSON ({error.msg} at character {error.pos}); "
                           f"set it to {{\"cluster\": {{...}}, \"task\": {{\"type\": ..., "
                           f"\"index\": ...}}}}. Received: TF_CONFIG={_clip(text)}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("cluster"), dict) or not data["cluster"]:
+    if (not isinstance(data, dict) or not isinstance(data.get("cluster"), dict)
+            or not data["cluster"]):
         raise ConfigError("TF_CONFIG needs a non-empty \"cluster\" mapping of task type to "
                           f"addresses. Received: TF_CONFIG={_clip(text)}")
     cluster: dict[str, tuple[str, ...]] = {}

@@ -5,7 +5,7 @@ file, then overrides (dotted keys), then validation. The result is frozen.
 
 Every value passes through `Config.__post_init__`, whichever way the config
 was made (`load_config`, `Config(...)`, `dataclasses.replace`): strings become
-enums through one resolver with a small alias table, sections given as dicts
+enums through one resolver with a small alias table (`tfdist.choices`), sections given as dicts
 become dataclasses, and one function (`_validate`) checks ranges and
 combinations. Errors are one line that names the key, says what is expected
 and ends with what was received.
@@ -30,110 +30,15 @@ from typing import Any, Mapping
 
 import yaml
 
+from tfdist.choices import (AutoShard, Communication, Compression, CrossDeviceOps, DatasetName,
+                            OptimizerName, Precision, Reduction, Strategy, parse_enum)
 from tfdist.errors import ConfigError
 
-
-class _Choice(str, enum.Enum):
-    """A closed set of strings that prints and serialises as its value."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Strategy(_Choice):
-    """How training is placed on devices and machines."""
-
-    AUTO = "auto"
-    ONE_DEVICE = "one_device"
-    MIRRORED = "mirrored"
-    MULTI_WORKER = "multi_worker"
-    PARAMETER_SERVER = "parameter_server"
-    TPU = "tpu"
-    HOROVOD = "horovod"
-
-
-class Precision(_Choice):
-    """A Keras dtype policy, or `auto` to choose one from the hardware."""
-
-    FLOAT32 = "float32"
-    MIXED_FLOAT16 = "mixed_float16"
-    MIXED_BFLOAT16 = "mixed_bfloat16"
-    AUTO = "auto"
-
-
-class CrossDeviceOps(_Choice):
-    """How `MirroredStrategy` reduces gradients across its devices."""
-
-    AUTO = "auto"
-    NCCL = "nccl"
-    HIERARCHICAL_COPY = "hierarchical_copy"
-    REDUCE_TO_ONE = "reduce_to_one"
-
-
-class Communication(_Choice):
-    """The collective implementation `MultiWorkerMirroredStrategy` uses across workers."""
-
-    AUTO = "auto"
-    RING = "ring"
-    NCCL = "nccl"
-
-
-class AutoShard(_Choice):
-    """How a dataset is split across workers (`tf.data.experimental.AutoShardPolicy`)."""
-
-    AUTO = "auto"
-    DATA = "data"
-    FILE = "file"
-    OFF = "off"
-
-
-class Reduction(_Choice):
-    """How Horovod combines gradients across ranks."""
-
-    AVERAGE = "average"
-    SUM = "sum"
-    ADASUM = "adasum"
-
-
-class Compression(_Choice):
-    """How Horovod compresses gradients on the wire."""
-
-    NONE = "none"
-    FP16 = "fp16"
-
-
-class DatasetName(_Choice):
-    """The main job's data: real handwritten digits, or synthetic features."""
-
-    DIGITS = "digits"
-    SYNTHETIC = "synthetic"
-
-
-class OptimizerName(_Choice):
-    """The main job's optimizer."""
-
-    ADAM = "adam"
-    SGD = "sgd"
-
-
-# Accepted spellings beyond each member's own value: a closed, small table.
-_ALIASES: dict[type[enum.Enum], dict[str, enum.Enum]] = {
-    Strategy: {
-        "single": Strategy.ONE_DEVICE,
-        "mirror": Strategy.MIRRORED,
-        "mwms": Strategy.MULTI_WORKER,
-        "ps": Strategy.PARAMETER_SERVER,
-        "hvd": Strategy.HOROVOD,
-    },
-    Precision: {
-        "fp32": Precision.FLOAT32,
-        "32": Precision.FLOAT32,
-        "fp16": Precision.MIXED_FLOAT16,
-        "16-mixed": Precision.MIXED_FLOAT16,
-        "bf16": Precision.MIXED_BFLOAT16,
-        "bf16-mixed": Precision.MIXED_BFLOAT16,
-    },
-}
+__all__ = ["AutoShard", "Communication", "Compression", "Config", "CrossDeviceOps", "DatasetName",
+           "HorovodConfig", "MirroredConfig", "MultiWorkerConfig", "OneDeviceConfig",
+           "OptimizerName", "Precision", "Reduction", "Strategy", "TPUConfig", "ThreadsConfig",
+           "TrainConfig", "check_precision_supported", "config_keys", "field_help",
+           "load_config", "parse_enum"]
 
 
 def _field(default: Any, help: str) -> Any:  # noqa: A002 - `help` is the metadata's name
@@ -144,7 +49,8 @@ def _field(default: Any, help: str) -> Any:  # noqa: A002 - `help` is the metada
 class OneDeviceConfig:
     """Options of the `one_device` strategy."""
 
-    device: str = _field("", "Device to train on, e.g. '/gpu:1'. Empty: the first GPU, else the CPU.")
+    device: str = _field(
+        "", "Device to train on, e.g. '/gpu:1'. Empty: the first GPU, else the CPU.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +139,8 @@ class TrainConfig:
     hidden_layers: int = _field(2, "Number of hidden Dense layers in the reference model.")
     synthetic_examples: int = _field(4096, "Training examples in the synthetic dataset.")
     synthetic_features: int = _field(256, "Features per synthetic example.")
-    output_dir: str = _field("tfdist_output", "Where the chief writes the resolved config and result.")
+    output_dir: str = _field(
+        "tfdist_output", "Where the chief writes the resolved config and result.")
     tensorboard: bool = _field(False, "Write TensorBoard logs to output_dir/tensorboard (chief).")
 
 
@@ -339,44 +246,7 @@ def field_help(key: str) -> str:
     return {f.name: f for f in dataclasses.fields(cls)}[name].metadata["help"]
 
 
-def parse_enum(enum_cls: type[enum.Enum], value: Any, key: str) -> Any:
-    """Resolves a user's spelling of an enum member: its value, or an alias.
-
-    Args:
-        enum_cls: The enum, e.g. `Strategy`.
-        value: A member, or a string in any case (`"Mirrored"`, `"bf16"`).
-        key: The config key, for the error message.
-
-    Raises:
-        ConfigError: the value names no member; the message lists the choices.
-    """
-    if isinstance(value, enum_cls):
-        return value
-    if isinstance(value, bool):
-        raise ConfigError(f"{key} must be one of {_choices(enum_cls)}; YAML reads unquoted "
-                          f"yes/no/on/off as true/false, so quote the value. Received: {key}={value!r}")
-    if isinstance(value, str):
-        spelled = value.strip().lower()
-        for member in enum_cls:
-            if member.value == spelled:
-                return member
-        alias = _ALIASES.get(enum_cls, {}).get(spelled)
-        if alias is not None:
-            return alias
-        names = [m.value for m in enum_cls] + list(_ALIASES.get(enum_cls, {}))
-        close = difflib.get_close_matches(spelled, names, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ConfigError(f"unknown {key} '{value}'; {hint}choose one of {_choices(enum_cls)}. "
-                          f"Received: {key}={value!r}")
-    raise ConfigError(f"{key} must be a string, one of {_choices(enum_cls)}. "
-                      f"Received: {key}={value!r} ({type(value).__name__})")
-
-
 # --- conversion -------------------------------------------------------------------------
-
-
-def _choices(enum_cls: type[enum.Enum]) -> str:
-    return ", ".join(m.value for m in enum_cls)
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
@@ -537,7 +407,8 @@ def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
             data = yaml.safe_load(stream)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {os.fspath(path)}; pass the path of a YAML "
-                          f"file (presets are in strategies/). Received: path={os.fspath(path)!r}") from None
+                          f"file (presets are in strategies/). "
+                          f"Received: path={os.fspath(path)!r}") from None
     except IsADirectoryError:
         raise ConfigError(f"config path is a directory: {os.fspath(path)}; pass a YAML file. "
                           f"Received: path={os.fspath(path)!r}") from None

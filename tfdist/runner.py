@@ -282,8 +282,9 @@ def _configure_threads(threads: ThreadsConfig, default_inter_op: int = 0,
                 "TensorFlow's default; this strategy wants %d, and several processes on one "
                 "machine can deadlock with fewer. Create the Runner before any TensorFlow op, "
                 "or set threads.inter_op.", default_inter_op)
-    settings = (("inter_op", threads.inter_op, tf.config.threading.set_inter_op_parallelism_threads),
-                ("intra_op", threads.intra_op, tf.config.threading.set_intra_op_parallelism_threads))
+    pools = tf.config.threading
+    settings = (("inter_op", threads.inter_op, pools.set_inter_op_parallelism_threads),
+                ("intra_op", threads.intra_op, pools.set_intra_op_parallelism_threads))
     for name, count, setter in settings:
         if not count:
             continue

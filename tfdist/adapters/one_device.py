@@ -20,4 +20,5 @@ class OneDeviceAdapter(Adapter):
 
     def create_strategy(self) -> tf.distribute.Strategy:
         device = self.config.one_device.device or ("/gpu:0" if self.cluster.gpus else "/cpu:0")
-        return tf.distribute.OneDeviceStrategy(check_device(device, self.cluster, "one_device.device"))
+        return tf.distribute.OneDeviceStrategy(
+            check_device(device, self.cluster, "one_device.device"))

@@ -52,7 +52,8 @@ class TPUAdapter(Adapter):
                 tf.config.experimental_connect_to_cluster(resolver)
             tf.tpu.experimental.initialize_tpu_system(resolver)
         except (ValueError, RuntimeError, tf.errors.OpError) as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            text = str(error).strip()
+            reason = text.splitlines()[0] if text else type(error).__name__
             raise ConfigError(f"could not start the TPU '{arguments['tpu']}' ({reason[:160]}); "
                               f"check tpu.name, tpu.zone and tpu.project, or use tpu.name=local "
                               f"on a TPU VM. Received: tpu.name={arguments['tpu']!r}") from None
