@@ -177,3 +177,19 @@ def test_tfdist_train_reports_the_micro_and_the_effective_batch(tmp_path):
     assert (summary["accumulation_steps"], summary["global_batch_size"],
             summary["effective_batch_size"]) == (4, 16, 64)
     assert summary["accuracy"] > 0.5
+
+
+def test_the_update_decided_in_replica_context_without_a_strategy():
+    # With no strategy in scope TensorFlow needs no merge call, so the cycle's update is
+    # decided by a cond in replica context: the path XLA-compiled steps on GPUs take
+    # under mirrored and multi_worker (every other test here takes the merge-call path).
+    keras.backend.clear_session()
+    assert tf.__internal__.distribute.strategy_supports_no_merge_call()
+    model = make_model()
+    model.set_weights(initial_weights())
+    model.compile(AccumulatingOptimizer(keras.optimizers.Adam(0.01), steps=STEPS),
+                  "sparse_categorical_crossentropy")
+    model.fit(examples().batch(MICRO_BATCH), epochs=2, shuffle=False, verbose=0)
+    reference = trained("one_device", 1, STEPS * MICRO_BATCH, "adam")
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert max_difference(model.get_weights(), reference.get_weights()) < TOLERANCE
