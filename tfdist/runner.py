@@ -263,34 +263,26 @@ def _configure_threads(threads: ThreadsConfig, default_inter_op: int = 0,
     """
     import tensorflow as tf
 
-    if not threads.intra_op and default_intra_op:
-        try:
-            tf.config.threading.set_intra_op_parallelism_threads(default_intra_op)
-        except RuntimeError:
-            logging.warning("tfdist: TensorFlow started before the Runner, so its intra-op "
-                            "threads stay at TensorFlow's default; this strategy wants %d. "
-                            "Create the Runner before any TensorFlow op, or set "
-                            "threads.intra_op.", default_intra_op)
-
-    if not threads.inter_op and default_inter_op:
-        current = tf.config.threading.get_inter_op_parallelism_threads()
-        try:
-            tf.config.threading.set_inter_op_parallelism_threads(max(current, default_inter_op))
-        except RuntimeError:
-            logging.warning(
-                "tfdist: TensorFlow started before the Runner, so its inter-op threads stay at "
-                "TensorFlow's default; this strategy wants %d, and several processes on one "
-                "machine can deadlock with fewer. Create the Runner before any TensorFlow op, "
-                "or set threads.inter_op.", default_inter_op)
     pools = tf.config.threading
-    settings = (("inter_op", threads.inter_op, pools.set_inter_op_parallelism_threads),
-                ("intra_op", threads.intra_op, pools.set_intra_op_parallelism_threads))
-    for name, count, setter in settings:
-        if not count:
-            continue
-        try:
-            setter(count)
-        except RuntimeError:
-            raise ConfigError(f"threads.{name}={count} cannot be applied: TensorFlow's runtime "
-                              f"has already started; create the Runner before any TensorFlow "
-                              f"op runs. Received: threads.{name}={count}") from None
+    settings = (
+        ("inter_op", threads.inter_op, default_inter_op, pools.get_inter_op_parallelism_threads,
+         pools.set_inter_op_parallelism_threads,
+         ", and several processes on one machine can deadlock with fewer"),
+        ("intra_op", threads.intra_op, default_intra_op, pools.get_intra_op_parallelism_threads,
+         pools.set_intra_op_parallelism_threads, ""))
+    for name, count, default, getter, setter, why in settings:
+        if count:
+            try:
+                setter(count)
+            except RuntimeError:
+                raise ConfigError(f"threads.{name}={count} cannot be applied: TensorFlow's "
+                                  f"runtime has already started; create the Runner before any "
+                                  f"TensorFlow op runs. Received: threads.{name}={count}") from None
+        elif default:
+            try:
+                setter(max(getter(), default))
+            except RuntimeError:
+                logging.warning("tfdist: TensorFlow started before the Runner, so its %s "
+                                "threads stay at TensorFlow's default; this strategy wants %d%s. "
+                                "Create the Runner before any TensorFlow op, or set threads.%s.",
+                                name.replace("_", "-"), default, why, name)

@@ -32,7 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.adapters.base import (Adapter, DatasetSource, call_dataset_function,
+from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_function,
                                   check_global_batch_size)
 from tfdist.cluster import ClusterInfo
 from tfdist.config import Compression, Config, Reduction
@@ -125,17 +125,16 @@ class HorovodAdapter(Adapter):
         """
         size, rank = self.hvd.size(), self.hvd.rank()
         check_global_batch_size(global_batch_size, size)
-        if isinstance(source, tf.data.Dataset):
-            dataset = source.batch(global_batch_size, drop_remainder=drop_remainder)
-            if drop_remainder:
-                dataset = dataset.map(functools.partial(_rank_slice, rank=rank, size=size),
-                                      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        else:
+        if not isinstance(source, tf.data.Dataset):
             context = tf.distribute.InputContext(num_input_pipelines=size,
                                                  input_pipeline_id=rank,
                                                  num_replicas_in_sync=size)
-            dataset = call_dataset_function(source, context).batch(
-                global_batch_size // size, drop_remainder=drop_remainder)
+            return batched(call_dataset_function(source, context), global_batch_size // size,
+                           drop_remainder)
+        dataset = source.batch(global_batch_size, drop_remainder=drop_remainder)
+        if drop_remainder:
+            dataset = dataset.map(functools.partial(_rank_slice, rank=rank, size=size),
+                                  num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return dataset.prefetch(tf.data.AUTOTUNE)
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
