@@ -20,7 +20,7 @@ from absl import app, flags, logging
 
 from tfdist import flags as tfdist_flags
 from tfdist.config import config_keys, field_help, load_config
-from tfdist.errors import ConfigError
+from tfdist.errors import ClusterError, ConfigError
 
 _USAGE = """usage: tfdist COMMAND [FLAGS]
 
@@ -83,12 +83,14 @@ def _catch_config_errors(command):
             command()
         except ConfigError as error:
             _fail(str(error))
+        except ClusterError as error:
+            _fail(str(error), status=1)
     return run
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, status: int = 2) -> NoReturn:
     print(f"tfdist: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(status)
 
 
 def _train() -> None:

@@ -36,7 +36,7 @@ from tfdist.errors import ConfigError
 
 __all__ = ["AutoShard", "Communication", "Compression", "Config", "CrossDeviceOps", "DatasetName",
            "HorovodConfig", "MirroredConfig", "MultiWorkerConfig", "OneDeviceConfig",
-           "OptimizerName", "Precision", "Reduction", "Strategy", "TPUConfig", "ThreadsConfig",
+           "OptimizerName", "ParameterServerConfig", "Precision", "Reduction", "Strategy", "TPUConfig", "ThreadsConfig",
            "TrainConfig", "check_precision_supported", "config_keys", "field_help",
            "load_config", "parse_enum"]
 
@@ -116,6 +116,18 @@ class HorovodConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParameterServerConfig:
+    """Options of the `parameter_server` strategy (a chief, workers and ps tasks)."""
+
+    min_shard_bytes: int = _field(
+        256 << 10, "A variable is split into shards of at least this many bytes, across "
+                   "the parameter servers (row-wise, on its first axis).")
+    max_shards: int = _field(
+        0, "At most this many shards per variable (0: one per parameter server; "
+           "1: no sharding).")
+
+
+@dataclasses.dataclass(frozen=True)
 class ThreadsConfig:
     """TensorFlow's thread pools; set before TensorFlow starts its runtime."""
 
@@ -154,7 +166,8 @@ class Config:
             `mixed_bfloat16` on TPU, `float32` elsewhere.
         accumulation_steps: Micro-batches whose gradients make one optimizer update.
         seed: Seeds Python, NumPy and TensorFlow when set, so runs repeat.
-        one_device, mirrored, multi_worker, tpu, horovod: Options of those strategies.
+        one_device, mirrored, multi_worker, tpu, horovod, parameter_server: Options of
+            those strategies.
         threads: TensorFlow's thread pools.
         train: The main job's settings (`tfdist train`).
 
@@ -179,6 +192,8 @@ class Config:
     multi_worker: MultiWorkerConfig = _field(MultiWorkerConfig(), "Options of multi_worker.")
     tpu: TPUConfig = _field(TPUConfig(), "Options of tpu.")
     horovod: HorovodConfig = _field(HorovodConfig(), "Options of horovod.")
+    parameter_server: ParameterServerConfig = _field(ParameterServerConfig(),
+                                                     "Options of parameter_server.")
     threads: ThreadsConfig = _field(ThreadsConfig(), "TensorFlow thread pools.")
     train: TrainConfig = _field(TrainConfig(), "The main job (tfdist train).")
 
@@ -371,6 +386,11 @@ def _validate(config: Config) -> None:
     require(not horovod.warmup_steps or horovod.scale_learning_rate, "horovod.warmup_steps",
             horovod.warmup_steps, "0 unless horovod.scale_learning_rate is true: the warmup "
             "ramps up to the scaled rate")
+    parameter_server = config.parameter_server
+    require(parameter_server.min_shard_bytes >= 1, "parameter_server.min_shard_bytes",
+            parameter_server.min_shard_bytes, "an integer >= 1 (bytes per shard, at least)")
+    require(parameter_server.max_shards >= 0, "parameter_server.max_shards",
+            parameter_server.max_shards, "an integer >= 0 (0: one shard per parameter server)")
     for name in ("inter_op", "intra_op"):
         value = getattr(config.threads, name)
         require(value >= 0, f"threads.{name}", value, "an integer >= 0 (0: TensorFlow's default)")

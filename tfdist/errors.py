@@ -1,4 +1,4 @@
-"""The one error type tfdist raises for input a user can fix."""
+"""The errors tfdist raises: bad input a user can fix, and a cluster that cannot go on."""
 
 
 class ConfigError(ValueError):
@@ -13,4 +13,18 @@ class ConfigError(ValueError):
     ...     "accumulation_steps must be an integer >= 1. Received: accumulation_steps=0")
     Traceback (most recent call last):
     tfdist.errors.ConfigError: accumulation_steps must be ...
+    """
+
+
+class ClusterError(RuntimeError):
+    """A task the run cannot go on without has failed (a parameter server, for one).
+
+    The message is one line: which task, what happened, what to do. The CLI
+    prints it alone and exits with status 1.
+
+    Example:
+
+    >>> raise ClusterError("parameter server ps:0 (127.0.0.1:2223) is unreachable ...")
+    Traceback (most recent call last):
+    tfdist.errors.ClusterError: parameter server ps:0 ...
     """

@@ -164,3 +164,219 @@ def undo_symbolic_build_fix() -> None:
         method = trainer_cls._maybe_symbolic_build
         if getattr(method, "_tfdist_fix", False):
             trainer_cls._maybe_symbolic_build = method.__wrapped__
+
+
+# --- parameter-server training ------------------------------------------------------------
+
+
+def apply_parameter_server_fixes() -> list[str]:
+    """Applies every fix ParameterServerStrategy needs under this Keras.
+
+    Returns:
+        The names of the fixes applied by this call (empty when none was needed).
+    """
+    applied = []
+    if fix_atomic_variable_updates():
+        applied.append("atomic_variable_updates")
+    if fix_sharded_variable_gradients():
+        applied.append("sharded_variable_gradients")
+    if fix_sharded_variable_updates():
+        applied.append("sharded_variable_updates")
+    return applied
+
+
+def _tensorflow_variable_cls():
+    from keras.src.backend.tensorflow import core
+
+    return core.Variable
+
+
+def variable_assign_add_reads_then_writes() -> bool:
+    """Whether Keras's `Variable.assign_add` is `assign(self + value)` under TensorFlow.
+
+    Keras 3 implements `assign_add` and `assign_sub` as a read followed by an
+    assign (`keras/src/backend/common/variables.py`). Under ParameterServerStrategy
+    workers update the same variable on a parameter server concurrently, and two
+    steps that read the same value both write value + 1: increments are lost.
+    `optimizer.iterations` read 19 after 20 scheduled steps with 2 workers, which
+    shifts learning-rate schedules and Adam's bias correction, and loss/metric
+    totals lose updates the same way (keras-team/keras#18624 left parameter-server
+    training unsupported; no Keras release has atomic updates).
+    """
+    method = _tensorflow_variable_cls().assign_add
+    if getattr(method, "_tfdist_fix", False):
+        return False
+    try:
+        return "self.assign(self + value)" in inspect.getsource(method)
+    except (OSError, TypeError):
+        return False
+
+
+def fix_atomic_variable_updates() -> bool:
+    """Makes Keras's TensorFlow `Variable.assign_add`/`assign_sub` one atomic update.
+
+    They call the TensorFlow variable's own `assign_add`/`assign_sub`
+    (`AssignAddVariableOp`, applied under the variable's lock on the server that
+    holds it), with the same cast Keras's `assign` does.
+
+    Returns:
+        True if the fix was applied now.
+    """
+    with _lock:
+        if not variable_assign_add_reads_then_writes():
+            return False
+        import tensorflow as tf
+
+        variable_cls = _tensorflow_variable_cls()
+
+        def atomic(name: str):
+            original = getattr(variable_cls, name)
+
+            def update(self, value):
+                if isinstance(value, tf.IndexedSlices) or self._value is None:
+                    return original(self, value)
+                return getattr(self._value, name)(tf.cast(value, self._value.dtype))
+
+            update.__name__ = name
+            update._tfdist_fix = True
+            update.__wrapped__ = original
+            return update
+
+        variable_cls.assign_add = atomic("assign_add")
+        variable_cls.assign_sub = atomic("assign_sub")
+        return True
+
+
+def _sharded_variable_cls():
+    from tensorflow.python.distribute import sharded_variable
+
+    return sharded_variable.ShardedVariable
+
+
+def _shards_of(source):
+    """The shard variables behind a Keras variable or a ShardedVariable, else None."""
+    sharded_cls = _sharded_variable_cls()
+    value = getattr(source, "_value", None) if isinstance(
+        source, _tensorflow_variable_cls()) else source
+    return list(value.variables) if isinstance(value, sharded_cls) else None
+
+
+def _join_shard_gradients(gradients, shards):
+    """One gradient for the whole variable from its shards' gradients (rows in order)."""
+    import tensorflow as tf
+
+    if all(gradient is None for gradient in gradients):
+        return None
+    if all(isinstance(gradient, tf.IndexedSlices) or gradient is None for gradient in gradients):
+        offsets, values, indices = 0, [], []
+        for gradient, shard in zip(gradients, shards):
+            if gradient is not None:
+                values.append(gradient.values)
+                indices.append(tf.cast(gradient.indices, tf.int64) + offsets)
+            offsets += shard.shape[0]
+        return tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0),
+                                dense_shape=[offsets, *shards[0].shape[1:]])
+    return tf.concat([tf.zeros(shard.shape, shard.dtype) if gradient is None
+                      else tf.convert_to_tensor(gradient)
+                      for gradient, shard in zip(gradients, shards)], axis=0)
+
+
+def fix_sharded_variable_gradients() -> bool:
+    """Lets `GradientTape.gradient` take Keras variables that hold a ShardedVariable.
+
+    With a variable partitioner, ParameterServerStrategy gives a large Keras
+    variable a `ShardedVariable` (one TensorFlow variable per shard, on different
+    servers). `tape.gradient(loss, model.trainable_weights)` then fails in
+    Keras's `train_step`: `AttributeError: 'ShardedVariable' object has no
+    attribute 'handle'` (TensorFlow differentiates with respect to variable
+    handles, and a ShardedVariable has one per shard). The fix asks the tape for
+    each shard's gradient and joins them in row order: dense gradients
+    concatenated, sparse ones (embedding lookups) as one `IndexedSlices`.
+
+    Returns:
+        True if the fix was applied now.
+    """
+    with _lock:
+        import tensorflow as tf
+
+        tape_cls = tf.GradientTape
+        if getattr(tape_cls.gradient, "_tfdist_fix", False):
+            return False
+        original = tape_cls.gradient
+
+        def gradient(self, target, sources, output_gradients=None,
+                     unconnected_gradients=tf.UnconnectedGradients.NONE):
+            flat_sources = tf.nest.flatten(sources)
+            shards = [_shards_of(source) for source in flat_sources]
+            if not any(shards):
+                return original(self, target, sources, output_gradients, unconnected_gradients)
+            expanded = [parts if parts else [source]
+                        for source, parts in zip(flat_sources, shards)]
+            gradients = original(self, target, expanded, output_gradients,
+                                 unconnected_gradients)
+            joined = [_join_shard_gradients(parts_gradients, parts) if parts
+                      else parts_gradients[0]
+                      for parts_gradients, parts in zip(gradients, shards)]
+            return tf.nest.pack_sequence_as(sources, joined)
+
+        gradient._tfdist_fix = True
+        gradient.__wrapped__ = original
+        tape_cls.gradient = gradient
+        return True
+
+
+def fix_sharded_variable_updates() -> bool:
+    """Lets the Keras optimizer update a ShardedVariable under ParameterServerStrategy.
+
+    Keras's TensorFlow optimizer applies each update through
+    `strategy.extended.update(variable.value, ...)`, and ParameterServerStrategy
+    refuses a ShardedVariable there ("You can not update `var` ... It must be a
+    Variable"): it only colocates the update with one variable. A ShardedVariable
+    places each shard's part of the update on that shard's server itself
+    (`assign_sub`, `scatter_sub` split by rows), so the fix calls the update
+    directly for it. Creating the optimizer's slot variables fails the same way
+    (`colocate_vars_with` a ShardedVariable: "ShardedVariable doesn't support
+    being used as a reference"); they are created without colocation, and the
+    strategy's partitioner shards them like the variable they belong to.
+
+    Returns:
+        True if the fix was applied now.
+    """
+    with _lock:
+        from tensorflow.python.distribute import distribute_lib, parameter_server_strategy_v2
+
+        extended_cls = parameter_server_strategy_v2.ParameterServerStrategyV2Extended
+        if getattr(extended_cls._update, "_tfdist_fix", False):
+            return False
+        original = extended_cls._update
+        sharded_cls = _sharded_variable_cls()
+
+        def _update(self, var, fn, args, kwargs, group):
+            if not isinstance(var, sharded_cls):
+                return original(self, var, fn, args, kwargs, group)
+            with distribute_lib.UpdateContext(var.variables[0].device):
+                return fn(var, *self._select_single_value(args),
+                          **self._select_single_value(kwargs))
+
+        _update._tfdist_fix = True
+        _update.__wrapped__ = original
+        extended_cls._update = _update
+
+        from keras.src.backend.tensorflow import optimizer as tf_optimizer
+        from keras.src.optimizers import base_optimizer
+
+        optimizer_cls = tf_optimizer.TFOptimizer
+        original_add = optimizer_cls.add_variable_from_reference
+
+        def add_variable_from_reference(self, reference_variable, name=None,
+                                        initializer="zeros"):
+            if _shards_of(reference_variable) is None:
+                return original_add(self, reference_variable, name=name,
+                                    initializer=initializer)
+            return base_optimizer.BaseOptimizer.add_variable_from_reference(
+                self, reference_variable, name=name, initializer=initializer)
+
+        add_variable_from_reference._tfdist_fix = True
+        add_variable_from_reference.__wrapped__ = original_add
+        optimizer_cls.add_variable_from_reference = add_variable_from_reference
+        return True

@@ -21,6 +21,7 @@ _BUILTIN: dict[Strategy, str] = {
     Strategy.ONE_DEVICE: "tfdist.adapters.one_device:OneDeviceAdapter",
     Strategy.MIRRORED: "tfdist.adapters.mirrored:MirroredAdapter",
     Strategy.MULTI_WORKER: "tfdist.adapters.multi_worker:MultiWorkerAdapter",
+    Strategy.PARAMETER_SERVER: "tfdist.adapters.parameter_server:ParameterServerAdapter",
     Strategy.TPU: "tfdist.adapters.tpu:TPUAdapter",
     Strategy.HOROVOD: "tfdist.adapters.horovod:HorovodAdapter",
 }

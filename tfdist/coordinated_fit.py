@@ -1,0 +1,311 @@
+"""Keras 3 `model.fit`, `evaluate` and `predict` under ParameterServerStrategy.
+
+Keras 3 dropped parameter-server training (keras-team/keras#18624): `model.fit`
+under the strategy fails with `ValueError: ... pass this dataset to
+ClusterCoordinator.create_per_worker_dataset`. `install()` routes the three
+methods of a model built under a ParameterServerStrategy here; every other model
+keeps Keras's own code. The user's call does not change:
+
+    with runner.scope():                     # strategy: parameter_server
+        model = build_model()
+        model.compile(optimizer=runner.optimizer("adam"), loss="mse")
+    history = model.fit(runner.dataset(train, global_batch_size=64), epochs=3,
+                        validation_data=runner.dataset(test, 64, drop_remainder=False))
+
+How it trains (on the chief, which holds the `ClusterCoordinator`):
+
+- Each worker reads its own copy of the batched dataset, serialized to it and
+  repeated, and takes every n-th batch (n workers, its slot counted on a
+  parameter server when its copy is built).
+- An epoch is `steps_per_epoch` steps (default: the batches in one pass of the
+  dataset). Steps are scheduled in functions of `steps_per_execution` steps;
+  any free worker runs the next one, asynchronously.
+- Epoch ends wait for every scheduled step; then the metrics (summed on the
+  parameter servers by every worker's steps) are read, `validation_data` is
+  evaluated, and epoch-level callbacks run. Batch-level callbacks run as each
+  function is scheduled, with empty logs: the steps may not have run yet.
+- At-least-once: when a worker fails, the functions it held run again on
+  another worker, so a step can apply its update twice; steps are never lost.
+  `optimizer.iterations` counts each scheduled step once: after the last step of
+  each epoch it is set back to the steps scheduled when a re-run step counted
+  twice (logged as a warning).
+- A parameter server that fails ends training with `ClusterError` naming it.
+- `evaluate` and `predict` run on the chief, which reads the variables from the
+  parameter servers: each example exactly once, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Iterator
+
+import tensorflow as tf
+from absl import logging
+
+from tfdist.errors import ClusterError, ConfigError
+
+_lock = threading.Lock()
+
+
+def install() -> bool:
+    """Routes `fit`, `evaluate` and `predict` of parameter-server models here.
+
+    Returns:
+        True if installed now; False if it was installed before.
+    """
+    from keras.src.backend.tensorflow import trainer
+
+    trainer_cls = trainer.TensorFlowTrainer
+    with _lock:
+        if getattr(trainer_cls.fit, "_tfdist_fix", False):
+            return False
+        for name, replacement in (("fit", fit), ("evaluate", _on_chief),
+                                  ("predict", _on_chief)):
+            original = getattr(trainer_cls, name)
+            setattr(trainer_cls, name, _routed(original, replacement))
+        return True
+
+
+def uninstall() -> None:
+    """Restores Keras's own methods (for tests that show Keras's failure)."""
+    from keras.src.backend.tensorflow import trainer
+
+    trainer_cls = trainer.TensorFlowTrainer
+    with _lock:
+        for name in ("fit", "evaluate", "predict"):
+            method = getattr(trainer_cls, name)
+            if getattr(method, "_tfdist_fix", False):
+                setattr(trainer_cls, name, method.__wrapped__)
+
+
+def uses_parameter_servers(model: Any) -> bool:
+    """Whether `model` was built under a ParameterServerStrategy."""
+    return isinstance(getattr(model, "_distribute_strategy", None),
+                      tf.distribute.experimental.ParameterServerStrategy)
+
+
+def _routed(original, replacement):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        if uses_parameter_servers(self):
+            return replacement(self, original, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    method._tfdist_fix = True
+    method.__wrapped__ = original
+    return method
+
+
+def fit(model: Any, keras_fit: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
+        epochs: int = 1, verbose: Any = "auto", callbacks: Any = None,
+        validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
+        class_weight: Any = None, sample_weight: Any = None, initial_epoch: int = 0,
+        steps_per_epoch: int | None = None, validation_steps: int | None = None,
+        validation_batch_size: int | None = None, validation_freq: int = 1) -> Any:
+    """`model.fit` for a model built under ParameterServerStrategy (see the module).
+
+    Takes Keras's arguments. `x` is a batched `tf.data.Dataset` (what
+    `runner.dataset` returns) or arrays with `y` and `batch_size`.
+
+    Raises:
+        ConfigError: an argument this loop cannot honour.
+        ClusterError: a parameter server failed.
+    """
+    del keras_fit, shuffle  # Datasets shuffle themselves; arrays keep their order.
+    for name, value in (("class_weight", class_weight), ("sample_weight", sample_weight),
+                        ("validation_split", validation_split)):
+        if value:
+            raise ConfigError(f"model.fit under parameter_server does not take {name}; put "
+                              f"it in the dataset (or pass validation_data). "
+                              f"Received: {name}={value!r}")
+    model._assert_compile_called("fit")
+    dataset = _as_dataset(x, y, batch_size)
+    steps_per_epoch = _steps_per_epoch(dataset, steps_per_epoch)
+    strategy = model.distribute_strategy
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    _build(model, dataset)
+
+    import keras
+
+    callbacks = keras.callbacks.CallbackList(
+        callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
+        epochs=epochs, steps=steps_per_epoch, model=model)
+    with _translated_cluster_errors(strategy):
+        iterator = _per_worker_iterator(coordinator, dataset, strategy)
+        steps_per_execution = int(model.steps_per_execution)
+        functions = _TrainFunctions(model, strategy)
+        iterations = model.optimizer.iterations
+        scheduled = int(iterations.numpy())
+        model.stop_training = False
+        callbacks.on_train_begin()
+        logs: dict[str, Any] = {}
+        for epoch in range(initial_epoch, epochs):
+            model.reset_metrics()
+            callbacks.on_epoch_begin(epoch)
+            step = 0
+            while step < steps_per_epoch and not model.stop_training:
+                count = min(steps_per_execution, steps_per_epoch - step)
+                callbacks.on_train_batch_begin(step)
+                coordinator.schedule(functions.get(count), args=(iterator,))
+                step += count
+                scheduled += count
+                callbacks.on_train_batch_end(step - 1, {})
+            coordinator.join()
+            _count_each_step_once(iterations, scheduled)
+            logs = dict(model.get_metrics_result())
+            if validation_data is not None and model._should_eval(epoch, validation_freq):
+                val_logs = model.evaluate(
+                    _as_dataset(validation_data, None, validation_batch_size or batch_size),
+                    steps=validation_steps, callbacks=callbacks, return_dict=True, verbose=0)
+                logs.update({f"val_{name}": value for name, value in val_logs.items()})
+            callbacks.on_epoch_end(epoch, logs)
+            if model.stop_training:
+                break
+        callbacks.on_train_end(logs=logs)
+    return model.history
+
+
+def _on_chief(model: Any, keras_method: Any, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """Runs Keras's `evaluate` or `predict` on the chief, reading the servers' variables.
+
+    The strategy is set aside for the call: Keras then runs its own loop with the
+    default strategy on this process, and each batch is seen exactly once.
+    """
+    if isinstance(x, tf.data.Dataset):
+        _build(model, x)
+    strategy = model._distribute_strategy
+    model._distribute_strategy = None
+    try:
+        with _translated_cluster_errors(strategy):
+            return keras_method(model, x, *args, **kwargs)
+    finally:
+        model._distribute_strategy = strategy
+
+
+class _TrainFunctions:
+    """The scheduled function for each count of steps, traced once per count.
+
+    Args:
+        model: The compiled model; each step is its own `train_step`.
+        strategy: The model's ParameterServerStrategy.
+    """
+
+    def __init__(self, model: Any, strategy: tf.distribute.Strategy):
+        self._model = model
+        self._strategy = strategy
+        self._functions: dict[int, Any] = {}
+
+    def get(self, steps: int) -> Any:
+        if steps not in self._functions:
+            self._functions[steps] = tf.function(self._steps_function(steps))
+        return self._functions[steps]
+
+    def _steps_function(self, steps: int) -> Any:
+        model, strategy = self._model, self._strategy
+
+        def run_steps(iterator: Any) -> None:
+            if steps == 1:
+                strategy.run(model.train_step, args=(next(iterator),))
+                return
+            # The steps run in a graph loop on the worker, so one round trip to the
+            # coordinator carries `steps` updates.
+            for _ in tf.range(steps):
+                strategy.run(model.train_step, args=(next(iterator),))
+
+        return run_steps
+
+
+def _per_worker_iterator(coordinator: Any, dataset: tf.data.Dataset,
+                         strategy: tf.distribute.Strategy) -> Any:
+    """Every worker's iterator over its share of `dataset`, repeated without end.
+
+    The dataset's graph goes to each worker, which rebuilds it and keeps every
+    n-th batch from its slot on: slots are handed out by a counter on a parameter
+    server as workers build their copies, so the first n copies split the
+    batches. A replaced worker takes the next slot, modulo n.
+    """
+    from tensorflow.python.distribute.coordinator import values
+
+    num_workers = len(_cluster(strategy)["worker"])
+    with strategy.scope():
+        slots = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_input_slots")
+    graph = values.serialize_dataset_to_graph(dataset)
+    element_spec = dataset.element_spec
+
+    def worker_dataset() -> tf.data.Dataset:
+        copy = values.deserialize_dataset_from_graph(graph, element_spec)
+        slot = slots.assign_add(1, read_value=True) - 1
+        return copy.shard(num_workers, slot % num_workers).repeat()
+
+    return iter(coordinator.create_per_worker_dataset(worker_dataset))
+
+
+def _cluster(strategy: Any) -> dict[str, list[str]]:
+    # ParameterServerStrategy keeps its resolver to itself (`strategy.cluster_resolver`
+    # is None).
+    return strategy._cluster_resolver.cluster_spec().as_dict()
+
+
+def _count_each_step_once(iterations: Any, scheduled: int) -> None:
+    """Sets `iterations` back to the steps scheduled if re-run steps counted twice."""
+    counted = int(iterations.numpy())
+    if counted > scheduled:
+        logging.warning("tfdist: optimizer.iterations counted %d steps of %d scheduled: a "
+                        "worker failed during a step, which ran again on another worker "
+                        "(at-least-once); counting each step once.", counted, scheduled)
+        iterations.assign(scheduled)
+
+
+def _build(model: Any, dataset: tf.data.Dataset) -> None:
+    """Creates the model's, metrics' and optimizer's variables on the parameter servers."""
+    for batch in dataset.take(1):
+        model._maybe_symbolic_build(data_batch=batch)
+
+
+def _as_dataset(x: Any, y: Any, batch_size: int | None) -> tf.data.Dataset:
+    if isinstance(x, tf.data.Dataset):
+        return x
+    if x is None or isinstance(x, (tf.distribute.DistributedDataset, Iterator)) \
+            or callable(x):
+        raise ConfigError("model.fit under parameter_server needs a batched tf.data.Dataset "
+                          "(runner.dataset(...) returns one) or arrays with batch_size. "
+                          f"Received: {type(x).__name__}")
+    return tf.data.Dataset.from_tensor_slices(x if y is None else (x, y)).batch(
+        batch_size or 32)
+
+
+def _steps_per_epoch(dataset: tf.data.Dataset, steps_per_epoch: int | None) -> int:
+    if steps_per_epoch is not None:
+        if int(steps_per_epoch) < 1:
+            raise ConfigError(f"steps_per_epoch must be an integer >= 1. "
+                              f"Received: steps_per_epoch={steps_per_epoch!r}")
+        return int(steps_per_epoch)
+    cardinality = int(dataset.cardinality())
+    if cardinality < 1:
+        kind = {-1: "infinite", -2: "of unknown length"}.get(cardinality, "empty")
+        raise ConfigError(f"model.fit under parameter_server needs steps_per_epoch for a "
+                          f"dataset that is {kind}: workers repeat their data, so an epoch "
+                          f"is a number of steps. Received: steps_per_epoch=None")
+    return cardinality
+
+
+@contextlib.contextmanager
+def _translated_cluster_errors(strategy: Any) -> Iterator[None]:
+    """Turns a parameter server's failure into one ClusterError line naming it."""
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
+
+    try:
+        yield
+    except (tf.errors.UnavailableError, tf.errors.AbortedError,
+            tf.errors.CancelledError) as error:
+        if not cluster_coordinator._is_ps_failure(error):
+            raise
+        servers = _cluster(strategy).get("ps", [])
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(
+            error).__name__
+        raise ClusterError(f"a parameter server ({', '.join(servers)}) stopped answering, "
+                           f"and its variables are gone: training cannot go on. Restart the "
+                           f"cluster and resume from the last checkpoint. Received: "
+                           f"{first_line[:200]}") from None
