@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 from typing import Any, Iterator
 
@@ -302,10 +303,14 @@ def _translated_cluster_errors(strategy: Any) -> Iterator[None]:
             tf.errors.CancelledError) as error:
         if not cluster_coordinator._is_ps_failure(error):
             raise
-        servers = _cluster(strategy).get("ps", [])
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(
-            error).__name__
-        raise ClusterError(f"a parameter server ({', '.join(servers)}) stopped answering, "
-                           f"and its variables are gone: training cannot go on. Restart the "
-                           f"cluster and resume from the last checkpoint. Received: "
-                           f"{first_line[:200]}") from None
+        addresses = _cluster(strategy).get("ps", [])
+        found = re.search(r"/job:ps/replica:\d+/task:(\d+)", str(error))
+        if found and int(found.group(1)) < len(addresses):
+            index = int(found.group(1))
+            server, source = f"ps:{index} ({addresses[index]})", f" from {found.group(0)}"
+        else:
+            server, source = f"ps ({', '.join(addresses)})", ""
+        raise ClusterError(f"parameter server {server} stopped answering, and its variables "
+                           f"are gone: training cannot go on. Restart the cluster and resume "
+                           f"from the last checkpoint. Received: {type(error).__name__}"
+                           f"{source}") from None

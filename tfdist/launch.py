@@ -6,11 +6,14 @@ free loopback ports, each with its TF_CONFIG. It is a tool for tests, demos and
 single-host runs, not a cluster manager.
 
 - Every output line is prefixed with its task: `[worker:1] Epoch 1/5`.
-- When a process fails, the others are stopped (SIGTERM, then SIGKILL after a
-  grace period) and the launcher exits non-zero, naming the failed task.
-- Without `--ps`, the group succeeds when every worker exits 0. With `--ps`, it
-  succeeds when the chief exits 0; workers and parameter servers, which only
-  serve, are then stopped.
+- Without `--ps`, the group succeeds when every worker exits 0; when one fails,
+  the others are stopped (SIGTERM, then SIGKILL after a grace period) and the
+  launcher exits non-zero, naming the failed task.
+- With `--ps`, the chief decides, as in a real parameter-server cluster: a
+  worker or parameter server that exits is reported and left to the chief
+  (which reschedules a worker's steps, and stops with an error when a parameter
+  server is lost); the group ends with the chief's exit status, and the servers
+  still running are then stopped.
 - `--max_restarts R` restarts the whole group up to R times after a failure.
 - Ctrl-C (or SIGTERM) stops every child. Each child leads its own process group,
   which is what is signalled, so grandchildren go too: no orphans.
@@ -149,9 +152,11 @@ class _Group:
         self.relays: list[threading.Thread] = []
         self.write_lock = threading.Lock()
         self.interrupted = interrupted  # Set by SIGINT or SIGTERM to the launcher.
-        # The coordinator (chief) decides success when there are servers; else every worker.
-        self.deciders = ([Task("chief", 0)] if "ps" in cluster else
+        # The coordinator (chief) decides when there are servers; else every worker.
+        self.chief_decides = "ps" in cluster
+        self.deciders = ([Task("chief", 0)] if self.chief_decides else
                          [Task("worker", i) for i in range(len(cluster["worker"]))])
+        self.reported: set[Task] = set()
 
     def run(self) -> int:
         try:
@@ -191,10 +196,16 @@ class _Group:
                 return 130
             for task, process in self.processes.items():
                 status = process.poll()
-                if status is not None and status != 0:
-                    _say(self.output, f"{task.name} exited with status {status}; "
-                                      f"stopping the other tasks")
-                    return status if status > 0 else 1
+                if status is None or status == 0 or task in self.reported:
+                    continue
+                if self.chief_decides and task not in self.deciders:
+                    self.reported.add(task)
+                    _say(self.output, f"{task.name} exited with status {status}; the chief "
+                                      f"decides whether training goes on")
+                    continue
+                _say(self.output, f"{task.name} exited with status {status}; "
+                                  f"stopping the other tasks")
+                return status if status > 0 else 1
             if all(self.processes[task].poll() == 0 for task in self.deciders):
                 return 0
             self.interrupted.wait(0.1)
