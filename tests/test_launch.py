@@ -175,3 +175,27 @@ def test_bad_input(args, fragment, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert fragment in result.stderr
+
+
+WORKER_1_FAILS = """
+import json, os, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+if task["type"] == "worker" and task["index"] == 1:
+    sys.exit(3)
+if task["type"] == "chief":
+    time.sleep(3)
+    print("chief finished", flush=True)
+    sys.exit(0)
+time.sleep(300)
+"""
+
+
+def test_with_parameter_servers_a_worker_failure_is_left_to_the_chief(tmp_path):
+    marker = uuid.uuid4().hex
+    result = run_command([TFDIST, "launch", "-n", "2", "--ps", "1", "--",
+                          *python(WORKER_1_FAILS, marker)], cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stdout
+    assert "worker:1 exited with status 3; the chief decides whether training goes on" \
+        in result.stdout
+    assert "[chief:0] chief finished" in result.stdout
+    assert processes_with(marker) == []

@@ -12,7 +12,8 @@ from tfdist.errors import ConfigError
 def test_builtin_lookup():
     assert registry.get("mirrored") is MirroredAdapter
     assert issubclass(registry.get(Strategy.ONE_DEVICE), Adapter)
-    assert registry.available() == ["one_device", "mirrored", "multi_worker", "tpu", "horovod"]
+    assert registry.available() == ["one_device", "mirrored", "multi_worker", "parameter_server",
+                                    "tpu", "horovod"]
 
 
 def test_unknown_name_lists_the_known_ones():
@@ -20,10 +21,9 @@ def test_unknown_name_lists_the_known_ones():
         registry.get("mirroredd")
 
 
-def test_strategies_without_an_adapter_say_so():
-    with pytest.raises(ConfigError, match="'parameter_server' is not available yet.*one_device, "
-                                          "mirrored, multi_worker, tpu, horovod"):
-        registry.get("parameter_server")
+def test_auto_is_a_choice_not_an_adapter():
+    with pytest.raises(ConfigError, match="'auto' has no adapter of its own"):
+        registry.get("auto")
 
 
 def test_registering_a_taken_name_needs_override():

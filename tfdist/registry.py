@@ -52,16 +52,15 @@ def get(name: Strategy | str) -> type:
     """Returns the adapter class for a concrete strategy name.
 
     Raises:
-        ConfigError: the name is unknown, or names a strategy with no adapter yet;
-            the message lists those available.
+        ConfigError: the name is unknown (the message lists the known ones), or is
+            `auto`, which names a choice rather than an adapter.
     """
     strategy = parse_enum(Strategy, name, "strategy")
+    if strategy is Strategy.AUTO:
+        raise ConfigError("strategy 'auto' has no adapter of its own: the Runner chooses one "
+                          f"of {', '.join(available())}. Received: strategy=auto")
     if strategy in _registered:
         return _registered[strategy]
-    if strategy not in _BUILTIN:
-        raise ConfigError(f"strategy '{strategy}' is not available yet in this version of "
-                          f"tfdist; use one of {', '.join(available())} (or auto). "
-                          f"Received: strategy={strategy.value}")
     module_name, class_name = _BUILTIN[strategy].split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
