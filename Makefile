@@ -28,6 +28,7 @@ bench: setup
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/allreduce.py
 	$(BIN)/python benchmarks/accumulation.py
+	$(BIN)/python benchmarks/parameter_server.py
 
 clean:
 	rm -rf $(VENV) tfdist_output benchmarks/results .pytest_cache

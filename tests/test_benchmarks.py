@@ -18,6 +18,9 @@ pytestmark = pytest.mark.slow
     ("accumulation.py", ["--micro_batch", "8", "--epochs", "2", "--updates_per_epoch", "1"],
      {"memory_ratio_k8_vs_b", "time_ratio_k8_vs_8b", "speedup_k8_multi_worker",
       "speedup_k8_horovod"}),
+    ("parameter_server.py", ["--steps", "10", "--repeats", "1", "--spe", "1", "--spe", "10",
+                             "--workers", "1"],
+     {"w1_spe1_ratio", "w1_spe10_ratio", "w1_spe10_raw", "w1_spe10_tfdist", "min_ratio"}),
 ])
 def test_benchmark_prints_its_figures(script, args, keys, tmp_path):
     result = run_command([sys.executable, str(REPO / "benchmarks" / script), *args],

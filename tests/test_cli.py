@@ -115,3 +115,17 @@ def test_example_script_reports_bad_input_without_a_traceback(tmp_path):
     assert result.returncode != 0
     assert "did you mean 'mirrored'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_lost_cluster_is_one_line_with_status_1(capsys):
+    from tfdist import cli
+    from tfdist.errors import ClusterError
+
+    def lose_a_server():
+        raise ClusterError("parameter server ps:0 (127.0.0.1:1) stopped answering")
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli._one_line_errors(lose_a_server)(["tfdist train"])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == ("tfdist: error: parameter server ps:0 (127.0.0.1:1) "
+                                       "stopped answering\n")

@@ -15,13 +15,14 @@ Example:
 
 from tfdist.cluster import ClusterInfo, detect_cluster
 from tfdist.config import Config, Precision, Strategy, load_config
-from tfdist.errors import ConfigError
+from tfdist.errors import ClusterError, ConfigError
 from tfdist.precision import PrecisionPolicy
 from tfdist.runner import Runner
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClusterError",
     "ClusterInfo",
     "Config",
     "ConfigError",

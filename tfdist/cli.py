@@ -5,7 +5,8 @@
     tfdist env
 
 Bad input (a flag, a config value, the environment) prints one line,
-`tfdist: error: ...`, to stderr and exits with status 2.
+`tfdist: error: ...`, to stderr and exits with status 2; a cluster that cannot go on
+(a parameter server lost) prints one such line and exits with status 1.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"  {key} (default: {default!r}): {field_help(key)}")
         print("\nAbsl and TensorFlow flags: tfdist " + command + " --helpfull")
         sys.exit(0)
-    app.run(_catch_config_errors(commands[command]), argv=[f"tfdist {command}", *rest],
+    app.run(_one_line_errors(commands[command]), argv=[f"tfdist {command}", *rest],
             flags_parser=_parse_flags)
 
 
@@ -71,7 +72,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
         _fail(str(error).replace("\n", " "))
 
 
-def _catch_config_errors(command):
+def _one_line_errors(command):
     def run(argv: list[str]) -> None:
         if len(argv) > 1:
             _fail(f"{argv[0]} takes flags only; unexpected arguments: {' '.join(argv[1:])}")

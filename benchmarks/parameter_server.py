@@ -1,0 +1,168 @@
+"""parameter_server: `model.fit` through tfdist against a hand-written coordinator loop.
+
+A local cluster (tfdist launch -n W --ps 1) per worker count W in (1, 2). On the
+chief, for each `steps_per_execution` s in (1, 10, 100), one model trains in
+alternating rounds:
+
+- raw: the loop of TensorFlow's parameter-server guide, by hand: a per-worker
+  dataset, a `tf.function` running s of the model's `train_step`, scheduled
+  `--steps / s` times, then `coordinator.join()`;
+- tfdist: `model.fit(runner.dataset(...), steps_per_epoch=--steps)`, one epoch
+  per block, timed by a callback from the epoch's start to its end.
+
+Each figure is the median steps per second over blocks after the first
+(warm-up excluded), and the headline is tfdist/raw for every W and s.
+
+    .venv/bin/python benchmarks/parameter_server.py [--steps 600] [--repeats 3]
+
+The last line is JSON: steps/s of both and their ratio per setting, and the lowest ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+STEPS_PER_EXECUTION = (1, 10, 100)
+BATCH = 64
+
+
+class _EpochTimer:
+    def __init__(self):
+        import keras
+
+        class Timer(keras.callbacks.Callback):
+            def on_epoch_begin(inner, epoch, logs=None):
+                inner.start = time.perf_counter()
+
+            def on_epoch_end(inner, epoch, logs=None):
+                self.seconds.append(time.perf_counter() - inner.start)
+
+        self.seconds: list[float] = []
+        self.callback = Timer()
+
+
+def raw_function(strategy, model, steps):
+    """The guide's scheduled function: `steps` train steps in a graph loop."""
+    import tensorflow as tf
+
+    @tf.function
+    def raw_steps(iterator):
+        if steps == 1:
+            strategy.run(model.train_step, args=(next(iterator),))
+            return
+        for _ in tf.range(steps):
+            strategy.run(model.train_step, args=(next(iterator),))
+
+    return raw_steps
+
+
+def measure_on_chief(args: argparse.Namespace) -> None:
+    """Runs on every task; the chief times both loops and prints one JSON line."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfdist
+
+    runner = tfdist.Runner(tfdist.load_config(overrides={  # Serves on workers and ps.
+        "strategy": "parameter_server", "seed": 0}))
+    strategy = runner.strategy
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    rng = np.random.default_rng(0)
+    features = rng.random((BATCH * 16, 256), dtype=np.float32)
+    labels = rng.integers(0, 10, len(features)).astype("int32")
+    examples = tf.data.Dataset.from_tensor_slices((features, labels))
+    results = {}
+    for spe in args.spe:
+        with runner.scope():
+            model = keras.Sequential([keras.Input((256,)),
+                                      keras.layers.Dense(256, activation="relu"),
+                                      keras.layers.Dense(10)])
+            model.compile(runner.optimizer(keras.optimizers.SGD(0.01)),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          steps_per_execution=spe)
+        data = runner.dataset(examples, BATCH)
+        model.fit(data, epochs=1, steps_per_epoch=spe, verbose=0)  # Builds every variable.
+
+        def dataset_fn():
+            return tf.data.Dataset.from_tensor_slices((features, labels)).repeat().batch(
+                BATCH, drop_remainder=True)
+
+        iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+        raw_steps = raw_function(strategy, model, spe)
+
+        raw, fitted = [], []
+        for _ in range(2):  # Rounds, alternating the two loops.
+            for _ in range(args.repeats + 1):
+                start = time.perf_counter()
+                for _ in range(args.steps // spe):
+                    coordinator.schedule(raw_steps, args=(iterator,))
+                coordinator.join()
+                raw.append(args.steps / (time.perf_counter() - start))
+            timer = _EpochTimer()
+            model.fit(data, epochs=args.repeats + 1, steps_per_epoch=args.steps,
+                      callbacks=[timer.callback], verbose=0)
+            fitted.extend(args.steps / seconds for seconds in timer.seconds)
+        # Warm-up excluded: the first block of each round.
+        raw_rate = statistics.median(raw[1:args.repeats + 1] + raw[args.repeats + 2:])
+        fit_rate = statistics.median(fitted[1:args.repeats + 1] + fitted[args.repeats + 2:])
+        results[spe] = {"raw": raw_rate, "tfdist": fit_rate, "ratio": fit_rate / raw_rate}
+    if runner.is_chief:
+        print(json.dumps(results), flush=True)
+
+
+def run_cluster(workers: int, args: argparse.Namespace) -> dict:
+    tfdist_cli = os.path.join(os.path.dirname(sys.executable), "tfdist")
+    command = [tfdist_cli, "launch", "-n", str(workers), "--ps", "1", "--", sys.executable,
+               os.path.abspath(__file__), "--measure", f"--steps={args.steps}",
+               f"--repeats={args.repeats}", *(f"--spe={spe}" for spe in args.spe)]
+    result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=1200)
+    lines = [line.split("] ", 1)[1] for line in result.stdout.splitlines()
+             if line.startswith("[chief:0] {")]
+    if result.returncode != 0 or not lines:
+        sys.exit(f"the {workers}-worker cluster failed:\n{result.stdout[-3000:]}")
+    return {int(spe): figures for spe, figures in json.loads(lines[-1]).items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=600,
+                        help="steps per timed block (a multiple of every --spe)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed blocks per round")
+    parser.add_argument("--spe", type=int, action="append",
+                        help="steps_per_execution values (default: 1, 10, 100)")
+    parser.add_argument("--workers", type=int, action="append",
+                        help="worker counts (default: 1, 2)")
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.spe = args.spe or list(STEPS_PER_EXECUTION)
+    if any(args.steps % spe for spe in args.spe):
+        parser.error(f"--steps {args.steps} must be a multiple of every --spe {args.spe}")
+    if args.measure:
+        measure_on_chief(args)
+        return
+    figures = {}
+    print(f"{'workers':>7} {'spe':>4} {'raw steps/s':>12} {'tfdist steps/s':>15} {'ratio':>6}")
+    for workers in args.workers or [1, 2]:
+        for spe, result in run_cluster(workers, args).items():
+            print(f"{workers:>7} {spe:>4} {result['raw']:>12.1f} {result['tfdist']:>15.1f} "
+                  f"{result['ratio']:>6.3f}", flush=True)
+            for key, value in result.items():
+                figures[f"w{workers}_spe{spe}_{key}"] = round(value, 4)
+    figures["min_ratio"] = min(value for key, value in figures.items() if key.endswith("ratio"))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
