@@ -4,6 +4,7 @@
     python examples/keras_fit.py --config strategies/mirrored.yaml --set mirrored.cpu_replicas=2
     python examples/keras_fit.py --strategy mirrored --precision mixed_bfloat16 --epochs 5
     tfdist launch -n 2 -- python examples/keras_fit.py --strategy multi_worker
+    tfdist launch -n 2 --ps 1 -- python examples/keras_fit.py --strategy parameter_server
     mpirun -np 2 python examples/keras_fit.py --strategy horovod
 
 tfdist adds --config, --strategy, --precision, --accumulation_steps and --set KEY=VALUE;
