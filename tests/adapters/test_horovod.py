@@ -26,9 +26,9 @@ def mpirun(*args):
     return [shutil.which("mpirun"), *root, "--oversubscribe", "-np", "2", *args]
 
 
-def reports(stdout):
-    """Each rank's JSON report, by rank."""
-    found = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"rank"')]
+def reports(out_dir):
+    """Each rank's report, by rank, from the file each rank wrote."""
+    found = [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
     return {report["rank"]: report for report in found}
 
 
@@ -42,7 +42,7 @@ def run_ranks(tmp_path, *args, timeout=90):
     result = run_command(mpirun(sys.executable, SCRIPT, str(tmp_path), *args), cwd=tmp_path,
                          timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    by_rank = reports(result.stdout)
+    by_rank = reports(tmp_path)
     assert sorted(by_rank) == [0, 1], result.stdout[-3000:]
     return by_rank, {rank: weights(tmp_path / f"rank{rank}.npz") for rank in (0, 1)}
 

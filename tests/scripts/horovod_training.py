@@ -8,18 +8,17 @@ one_device:
         [--inf_at_step S] [--without broadcast|average|agreement] [--set KEY=VALUE] \
         [--embedding] [--bare]
 
-Each rank writes OUT_DIR/rank<R>.npz (final weights) and prints one JSON line:
-rank, iterations, history (as fit returned it), local_history (each rank's own
-values, logged before tfdist averages them), loss_scale (under mixed_float16).
+Each rank writes OUT_DIR/rank<R>.npz (final weights) and OUT_DIR/rank<R>.json: rank,
+iterations, history (as fit returned it), local_history (each rank's own values,
+logged before tfdist averages them), loss_scale (under mixed_float16).
 
 --seed_by_rank initialises rank r's model with seed 100 + r (rank 0's initial
 weights are saved too); otherwise every rank starts from seed 11's weights.
 --inf_at_step S puts an inf into rank 1's slice of step S. --set horovod.op=sum (and
 other config keys) is passed to the config. --embedding puts an Embedding layer
-(sparse gradients) in front of the model. --fits N calls fit N times, epochs / N each. --without drops one
-of tfdist's Horovod callbacks, or the agreement on skipped steps, to show what it
-is for. --bare trains with
-Horovod's own Keras integration instead of tfdist.
+(sparse gradients) in front of the model. --fits N calls fit N times, epochs / N each.
+--without drops one of tfdist's Horovod callbacks, or the agreement on skipped steps, to
+show what it is for. --bare trains with Horovod's own Keras integration instead of tfdist.
 """
 
 import argparse
@@ -172,7 +171,9 @@ def main():
     np.savez(os.path.join(args.out_dir, f"rank{rank}.npz"), *model.get_weights())
     if rank == 0:
         np.savez(os.path.join(args.out_dir, "start.npz"), *start)
-    print(json.dumps(report), flush=True)
+    # Each rank its own file: the ranks' standard outputs interleave under mpirun.
+    with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as stream:
+        json.dump(report, stream)
 
 
 if __name__ == "__main__":
