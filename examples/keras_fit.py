@@ -6,9 +6,13 @@
     tfdist launch -n 2 -- python examples/keras_fit.py --strategy multi_worker
     tfdist launch -n 2 --ps 1 -- python examples/keras_fit.py --strategy parameter_server
     mpirun -np 2 python examples/keras_fit.py --strategy horovod
+    tfdist launch -n 2 --max_restarts 3 -- python examples/keras_fit.py \
+        --strategy multi_worker --checkpoint_dir /tmp/keras_fit_ckpt
 
-tfdist adds --config, --strategy, --precision, --accumulation_steps and --set KEY=VALUE;
-the script adds its own flags beside them. The chief prints a JSON line at the end.
+tfdist adds --config, --strategy, --precision, --accumulation_steps, --checkpoint_dir and
+--set KEY=VALUE; the script adds its own flags beside them. With --checkpoint_dir, a run
+started again (after a crash, or SIGTERM, which saves and exits with status 143) goes on
+from the step after its newest checkpoint. The chief prints a JSON line at the end.
 """
 
 import json
@@ -64,11 +68,14 @@ def main(argv):
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
     batch = _GLOBAL_BATCH_SIZE.value
-    train = make_data(2048, seed=0).shuffle(2048, seed=0)
+    train = make_data(2048, seed=0)
     validation = make_data(256, seed=1)
-    history = model.fit(runner.dataset(train, batch),
+    # Shuffled by the Runner, in an order fixed by (seed, epoch), so a resumed run sees
+    # the batches the interrupted one would have seen.
+    history = model.fit(runner.dataset(train, batch, shuffle_buffer_size=2048),
                         validation_data=runner.dataset(validation, batch, drop_remainder=False),
-                        epochs=_EPOCHS.value, callbacks=runner.callbacks(), shuffle=False,
+                        epochs=_EPOCHS.value, shuffle=False,
+                        callbacks=runner.callbacks(),  # checkpoints with --checkpoint_dir
                         verbose=2 if runner.is_chief else 0)
     loss, accuracy = model.evaluate(runner.dataset(validation, batch, drop_remainder=False),
                                     verbose=0)
@@ -76,8 +83,9 @@ def main(argv):
         print(json.dumps({"strategy": runner.strategy_name.value,
                           "replicas": runner.num_replicas,
                           "precision": runner.precision.name,
-                          "loss": history.history["loss"][-1],
-                          "val_accuracy": history.history["val_accuracy"][-1],
+                          "epochs_trained": len(history.epoch),
+                          "loss": history.history.get("loss", [None])[-1],
+                          "val_accuracy": history.history.get("val_accuracy", [None])[-1],
                           "evaluate_accuracy": accuracy}))
 
 

@@ -1,12 +1,13 @@
 """The `tfdist` command.
 
     tfdist train [--config FILE] [--strategy S] [--precision P] [--set KEY=VALUE ...]
-    tfdist launch -n N [--ps M] [--max_restarts R] -- COMMAND ...
+    tfdist launch -n N [--ps M] [--max_restarts R] [--grace_seconds S] -- COMMAND ...
     tfdist env
 
 Bad input (a flag, a config value, the environment) prints one line,
 `tfdist: error: ...`, to stderr and exits with status 2; a cluster that cannot go on
-(a parameter server lost) prints one such line and exits with status 1.
+(a parameter server lost, a peer stuck past the collective timeout) prints one such
+line and exits with status 1. A preempted run (SIGTERM) saves and exits with 143.
 """
 
 from __future__ import annotations
@@ -86,7 +87,32 @@ def _one_line_errors(command):
             _fail(str(error))
         except ClusterError as error:
             _fail(str(error), status=1)
+        except Exception as error:  # noqa: BLE001 - only TensorFlow's peer failures are caught
+            message = _peer_failure(error)
+            if message is None:
+                raise
+            _fail(message, status=1)
     return run
+
+
+def _peer_failure(error: Exception) -> str | None:
+    """One line for a collective that timed out or lost a peer; None for anything else."""
+    import tensorflow as tf
+
+    text = str(error)
+    if isinstance(error, tf.errors.DeadlineExceededError) and "Collective has timed out" in text:
+        return ("a peer did not join a collective within its timeout (multi_worker."
+                "timeout_seconds): it is stuck, much slower than the others, or gone. "
+                "Restart the group (tfdist launch --max_restarts, or the cluster's restart "
+                "policy) to resume from the last checkpoint. Received: "
+                f"{type(error).__name__}: Collective has timed out during execution")
+    horovod_shutdown = "Horovod has been shut down" in text or "HorovodInternalError" in \
+        type(error).__name__
+    if horovod_shutdown:
+        return ("Horovod shut down: a rank stopped joining collectives (stuck past "
+                "horovod.timeout_seconds, or gone). Restart the job to resume from the last "
+                f"checkpoint. Received: {type(error).__name__}: {text.splitlines()[0][:160]}")
+    return None
 
 
 def _fail(message: str, status: int = 2) -> NoReturn:
@@ -120,10 +146,15 @@ def _launch(argv: list[str]) -> int:
                          flag_values=options)
     flags.DEFINE_integer("ps", 0, "Parameter servers; with them, a chief coordinates.",
                          flag_values=options)
-    flags.DEFINE_integer("max_restarts", 0, "Restarts of the whole group after a failure.",
+    flags.DEFINE_integer("max_restarts", 0, "Restarts of the whole group after a failure "
+                         "(a preempted run that saved exits with 143 and is restarted too).",
                          flag_values=options)
+    flags.DEFINE_float("grace_seconds", 30.0, "After Ctrl-C or SIGTERM to the launcher, or a "
+                       "task exiting with 143, how long the tasks have to save and exit "
+                       "before they are killed.", flag_values=options)
     if "--help" in launcher_args or "-h" in launcher_args:
-        print("usage: tfdist launch -n N [--ps M] [--max_restarts R] -- COMMAND ...\n")
+        print("usage: tfdist launch -n N [--ps M] [--max_restarts R] [--grace_seconds S] "
+              "-- COMMAND ...\n")
         print(options.module_help(__name__).replace(f"{__name__}:", "flags:"))
         return 0
     try:
@@ -134,7 +165,11 @@ def _launch(argv: list[str]) -> int:
         _fail(f"tfdist launch takes its flags, then '--', then the command; unexpected: "
               f"{' '.join(unparsed[1:])}")
     try:
-        return launch.launch(command, options.num_workers, options.ps, options.max_restarts)
+        if options.grace_seconds <= 0:
+            raise ConfigError(f"tfdist launch --grace_seconds must be > 0. "
+                              f"Received: --grace_seconds {options.grace_seconds:g}")
+        return launch.launch(command, options.num_workers, options.ps, options.max_restarts,
+                             grace_seconds=options.grace_seconds)
     except ConfigError as error:
         _fail(str(error))
 

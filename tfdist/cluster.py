@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import ipaddress
 import json
 import os
-from typing import Any, Mapping
+import socket
+from typing import Any, Mapping, Sequence
 
 from tfdist.errors import ConfigError
 
@@ -339,3 +341,50 @@ def _physical_gpus() -> tuple[GpuInfo, ...]:
 def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
     """This process's environment with `extra` on top, for a child process to inherit."""
     return {**os.environ, **extra}
+
+
+def beyond_loopback(addresses: Sequence[str]) -> list[str]:
+    """The `host:port` addresses, sorted, whose host is not this machine's loopback.
+
+    A host name counts as loopback when every address it resolves to is one (a
+    name that does not resolve does not count).
+
+    Example:
+
+        beyond_loopback(["127.0.0.1:2222", "localhost:2223", "10.0.0.7:2222"])
+        # ['10.0.0.7:2222']
+    """
+    return sorted(address for address in set(addresses)
+                  if not is_loopback(address.rsplit(":", 1)[0]))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback address."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(resolved) and all(ipaddress.ip_address(address.split("%")[0]).is_loopback
+                                  for address in resolved)
+
+
+def set_default_environment(defaults: Mapping[str, str]) -> dict[str, str]:
+    """Sets each variable that is not set yet, for a library that reads its settings there.
+
+    Horovod, for one, takes its stall timeout from the environment when it starts.
+    A value already set (exported by the user or the launcher) is kept.
+
+    Args:
+        defaults: Variable names and the values to give them when unset.
+
+    Returns:
+        The variables that were set now.
+    """
+    added = {name: value for name, value in defaults.items() if name not in os.environ}
+    os.environ.update(added)
+    return added

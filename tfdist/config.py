@@ -34,11 +34,19 @@ from tfdist.choices import (AutoShard, Communication, Compression, CrossDeviceOp
                             OptimizerName, Precision, Reduction, Strategy, parse_enum)
 from tfdist.errors import ConfigError
 
-__all__ = ["AutoShard", "Communication", "Compression", "Config", "CrossDeviceOps", "DatasetName",
+__all__ = ["AutoShard", "CheckpointConfig", "Communication", "Compression", "Config",
+           "CrossDeviceOps", "DEFAULT_COLLECTIVE_TIMEOUT_SECONDS", "DatasetName",
            "HorovodConfig", "MirroredConfig", "MultiWorkerConfig", "OneDeviceConfig",
-           "OptimizerName", "ParameterServerConfig", "Precision", "Reduction", "Strategy", "TPUConfig", "ThreadsConfig",
-           "TrainConfig", "check_precision_supported", "config_keys", "field_help",
-           "load_config", "parse_enum"]
+           "OptimizerName", "ParameterServerConfig", "Precision", "Reduction", "Strategy",
+           "TPUConfig", "ThreadsConfig", "TrainConfig", "check_precision_supported",
+           "config_keys", "field_help", "load_config", "parse_enum"]
+
+
+# Long enough for peers that trace, compile or read data at different speeds; short enough
+# that a stuck peer ends the job well inside the usual 30-second preemption notice plus a
+# restart. tfdist fences its own long pauses (checkpoint reads and writes) with
+# coordination-service barriers, which have their own, longer timeout.
+DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 60.0
 
 
 def _field(default: Any, help: str) -> Any:  # noqa: A002 - `help` is the metadata's name
@@ -73,8 +81,9 @@ class MultiWorkerConfig:
     communication: Communication = _field(
         Communication.AUTO, "Collectives across workers: auto, ring (gRPC) or nccl (GPUs).")
     timeout_seconds: float = _field(
-        0.0, "Abort a collective that waits longer than this (0: wait forever). "
-             "Turns a dead peer into an error instead of a hang.")
+        DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,
+        "Abort a collective that waits longer than this for a peer, so a stuck or dead worker "
+        "becomes an error on every other worker instead of a hang (0: wait forever).")
     auto_shard: AutoShard = _field(
         AutoShard.AUTO, "How datasets are split across workers: auto, data, file or off.")
     cpu_replicas: int = _field(
@@ -113,6 +122,10 @@ class HorovodConfig:
     warmup_steps: int = _field(
         0, "With scale_learning_rate: ramp linearly from the base rate to the scaled one "
            "over this many updates (0: scaled from the first update).")
+    timeout_seconds: float = _field(
+        DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,
+        "Shut Horovod down when a rank has not joined a collective the others wait in for "
+        "this long, so a stuck rank becomes an error instead of a hang (0: wait forever).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +138,23 @@ class ParameterServerConfig:
     max_shards: int = _field(
         0, "At most this many shards per variable (0: one per parameter server; "
            "1: no sharding).")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints for an exact resume after a crash or preemption (`runner.callbacks`)."""
+
+    dir: str = _field(
+        "", "Folder of the run's checkpoints, readable by every process; a run restarted with "
+            "the same folder resumes from its newest good checkpoint (empty: no checkpoints).")
+    save_every_steps: int = _field(
+        0, "Also save every this many training steps, counted across epochs (0: at the end of "
+           "each epoch only).")
+    keep: int = _field(3, "Checkpoints kept; older ones are deleted (at least 2, so a torn "
+                          "newest one has a fallback).")
+    grace_seconds: float = _field(
+        25.0, "After SIGTERM, every process saves at one agreed step and exits with status "
+              "143; a process still running this long after the signal exits without saving.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +198,8 @@ class Config:
         seed: Seeds Python, NumPy and TensorFlow when set, so runs repeat.
         one_device, mirrored, multi_worker, tpu, horovod, parameter_server: Options of
             those strategies.
+        checkpoint: Checkpoints for an exact resume, and what a SIGTERM does.
+        trusted_network: Silence the warning about TensorFlow's unauthenticated servers.
         threads: TensorFlow's thread pools.
         train: The main job's settings (`tfdist train`).
 
@@ -194,6 +226,11 @@ class Config:
     horovod: HorovodConfig = _field(HorovodConfig(), "Options of horovod.")
     parameter_server: ParameterServerConfig = _field(ParameterServerConfig(),
                                                      "Options of parameter_server.")
+    checkpoint: CheckpointConfig = _field(CheckpointConfig(),
+                                          "Checkpoints, resume and preemption.")
+    trusted_network: bool = _field(
+        False, "The cluster's network admits only trusted machines: silences the warning that "
+               "TensorFlow's gRPC servers accept unauthenticated connections.")
     threads: ThreadsConfig = _field(ThreadsConfig(), "TensorFlow thread pools.")
     train: TrainConfig = _field(TrainConfig(), "The main job (tfdist train).")
 
@@ -381,6 +418,8 @@ def _validate(config: Config) -> None:
             "multi_worker.communication", "nccl", "auto or ring with cpu_replicas: NCCL "
             "runs on GPUs only")
     horovod = config.horovod
+    require(horovod.timeout_seconds >= 0, "horovod.timeout_seconds", horovod.timeout_seconds,
+            "a number of seconds >= 0 (0: no timeout)")
     require(horovod.warmup_steps >= 0, "horovod.warmup_steps", horovod.warmup_steps,
             "an integer >= 0 (updates to ramp the scaled learning rate over)")
     require(not horovod.warmup_steps or horovod.scale_learning_rate, "horovod.warmup_steps",
@@ -391,6 +430,13 @@ def _validate(config: Config) -> None:
             parameter_server.min_shard_bytes, "an integer >= 1 (bytes per shard, at least)")
     require(parameter_server.max_shards >= 0, "parameter_server.max_shards",
             parameter_server.max_shards, "an integer >= 0 (0: one shard per parameter server)")
+    checkpoint = config.checkpoint
+    require(checkpoint.save_every_steps >= 0, "checkpoint.save_every_steps",
+            checkpoint.save_every_steps, "an integer >= 0 (0: at epoch ends only)")
+    require(checkpoint.keep >= 2, "checkpoint.keep", checkpoint.keep,
+            "an integer >= 2 (the newest checkpoint and at least one to fall back on)")
+    require(checkpoint.grace_seconds > 0, "checkpoint.grace_seconds", checkpoint.grace_seconds,
+            "a number of seconds > 0")
     for name in ("inter_op", "intra_op"):
         value = getattr(config.threads, name)
         require(value >= 0, f"threads.{name}", value, "an integer >= 0 (0: TensorFlow's default)")

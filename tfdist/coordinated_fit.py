@@ -137,21 +137,25 @@ def fit(model: Any, keras_fit: Any, x: Any = None, y: Any = None, batch_size: in
         iterator = _per_worker_iterator(coordinator, dataset, strategy)
         steps_per_execution = int(model.steps_per_execution)
         functions = _TrainFunctions(model, strategy)
+        model.stop_training = False
+        callbacks.on_train_begin()  # A checkpoint callback restores here.
         iterations = model.optimizer.iterations
         scheduled = int(iterations.numpy())
-        model.stop_training = False
-        callbacks.on_train_begin()
+        initial_epoch = model._initial_epoch or initial_epoch
         logs: dict[str, Any] = {}
         for epoch in range(initial_epoch, epochs):
             model.reset_metrics()
             callbacks.on_epoch_begin(epoch)
-            step = 0
+            step = _steps_done(callbacks)
             while step < steps_per_epoch and not model.stop_training:
                 count = min(steps_per_execution, steps_per_epoch - step)
                 callbacks.on_train_batch_begin(step)
                 coordinator.schedule(functions.get(count), args=(iterator,))
                 step += count
                 scheduled += count
+                if _wants_state(callbacks, step):
+                    coordinator.join()
+                    _count_each_step_once(iterations, scheduled)
                 callbacks.on_train_batch_end(step - 1, {})
             coordinator.join()
             _count_each_step_once(iterations, scheduled)
@@ -166,6 +170,19 @@ def fit(model: Any, keras_fit: Any, x: Any = None, y: Any = None, batch_size: in
                 break
         callbacks.on_train_end(logs=logs)
     return model.history
+
+
+def _steps_done(callbacks: Any) -> int:
+    """Steps of this epoch a restored checkpoint has done already (0 without one)."""
+    return max([getattr(callback, "steps_to_skip", 0) for callback in callbacks.callbacks],
+               default=0)
+
+
+def _wants_state(callbacks: Any, steps_done: int) -> bool:
+    """Whether a callback (a checkpoint) needs the state after `steps_done` steps: then the
+    steps scheduled so far must finish before it runs."""
+    return any(callback.wants_state_at_step(steps_done) for callback in callbacks.callbacks
+               if hasattr(callback, "wants_state_at_step"))
 
 
 def _on_chief(model: Any, keras_method: Any, x: Any = None, *args: Any, **kwargs: Any) -> Any:

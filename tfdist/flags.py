@@ -6,6 +6,7 @@ Importing this module defines, on absl's global `FLAGS`:
     --strategy NAME            strategy
     --precision NAME           precision
     --accumulation_steps N     accumulation_steps
+    --checkpoint_dir DIR       checkpoint.dir
     --set KEY=VALUE            any config key, dotted for nested; repeatable
 
 Precedence: the config's defaults, then `--config`, then `--set`, then the named
@@ -42,13 +43,14 @@ STRATEGY = flags.DEFINE_string("strategy", None, field_help("strategy"))
 PRECISION = flags.DEFINE_string("precision", None, field_help("precision"))
 ACCUMULATION_STEPS = flags.DEFINE_integer("accumulation_steps", None,
                                           field_help("accumulation_steps"))
+CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None, field_help("checkpoint.dir"))
 SET = flags.DEFINE_multi_string(
     "set", [], "KEY=VALUE for any config key, dotted for nested fields "
                "(e.g. --set mirrored.cpu_replicas=2). The value is read as YAML. Repeatable.")
 
 # Named flags and the config keys they set; they win over --set.
 _NAMED = {"strategy": "strategy", "precision": "precision",
-          "accumulation_steps": "accumulation_steps"}
+          "accumulation_steps": "accumulation_steps", "checkpoint_dir": "checkpoint.dir"}
 
 
 def config_from_flags(flag_values: flags.FlagValues | None = None) -> Config:

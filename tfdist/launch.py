@@ -14,9 +14,17 @@ single-host runs, not a cluster manager.
   (which reschedules a worker's steps, and stops with an error when a parameter
   server is lost); the group ends with the chief's exit status, and the servers
   still running are then stopped.
-- `--max_restarts R` restarts the whole group up to R times after a failure.
-- Ctrl-C (or SIGTERM) stops every child. Each child leads its own process group,
-  which is what is signalled, so grandchildren go too: no orphans.
+- `--max_restarts R` restarts the whole group up to R times after a failure,
+  whatever the failure (a preempted group exits with status 143 after saving), and
+  then ends with the status of the last failure.
+- A task that exits with status 143 (`tfdist.preemption.RESTART_EXIT_CODE`: every
+  process saved at one agreed step) gives the others `grace_seconds` to exit by
+  themselves; after any other failure they are stopped at once.
+- Ctrl-C or SIGTERM to the launcher sends SIGTERM to every child, which lets tfdist's
+  training save and exit within its grace period, and ends with 130 (Ctrl-C) or 143
+  (SIGTERM). A child still running `grace_seconds` later is killed. Each child leads its
+  own process group, which is what is signalled, so grandchildren go too: no orphans.
+- Exit statuses are the shell's: a task killed by signal N ends the group with 128 + N.
 
 Example:
 
@@ -39,8 +47,12 @@ from typing import IO, Iterator, Sequence
 
 from tfdist.cluster import child_environment
 from tfdist.errors import ConfigError
+from tfdist.preemption import RESTART_EXIT_CODE
 
 LOOPBACK = "127.0.0.1"
+# After a failure the survivors cannot finish a step (their peer is gone), so there is
+# nothing to wait for: they get this long between SIGTERM and SIGKILL.
+FAILURE_GRACE_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +108,7 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
 
 
 def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restarts: int = 0, *,
-           grace_seconds: float = 5.0, output: IO[str] | None = None) -> int:
+           grace_seconds: float = 30.0, output: IO[str] | None = None) -> int:
     """Runs `command` once per task of a local cluster and returns the group's exit status.
 
     Args:
@@ -104,12 +116,14 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
         num_workers: Worker processes (>= 1).
         num_ps: Parameter servers (with a chief to coordinate them), or 0.
         max_restarts: Restarts of the whole group after a failure.
-        grace_seconds: How long a stopped process has between SIGTERM and SIGKILL.
+        grace_seconds: How long children have to save and exit after the launcher
+            is interrupted, or after a task exits with status 143, before SIGKILL.
         output: Where prefixed lines go. None: standard output.
 
     Returns:
-        0 on success; otherwise the failed task's exit status (at least 1), or 130
-        after Ctrl-C.
+        0 on success; otherwise the failed task's exit status (128 + N for a task
+        killed by signal N), or 130 after Ctrl-C and 143 after SIGTERM to the
+        launcher.
 
     Raises:
         ConfigError: bad counts or an empty command.
@@ -123,16 +137,26 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
             raise ConfigError(f"tfdist launch {name} must be an integer >= {lowest}. "
                               f"Received: {name} {value}")
     output = sys.stdout if output is None else output
-    status, interrupted = 1, threading.Event()
+    status, interrupted = 1, _Interruption()
     with _signals_set(interrupted):
         for attempt in range(max_restarts + 1):
             if attempt:
                 _say(output, f"restarting the group (restart {attempt} of {max_restarts})")
             status = _Group(list(command), cluster_spec(num_workers, num_ps), output,
                             grace_seconds, interrupted).run()
-            if status in (0, 130):
+            if status == 0 or interrupted.is_set():
                 return status
     return status
+
+
+class _Interruption(threading.Event):
+    """Set by SIGINT or SIGTERM to the launcher; remembers which."""
+
+    signum = signal.SIGINT
+
+    def set_by(self, signum: int) -> None:
+        self.signum = signum
+        self.set()
 
 
 def _say(output: IO[str], message: str) -> None:
@@ -143,7 +167,7 @@ class _Group:
     """One attempt: start every task, relay output, watch, stop."""
 
     def __init__(self, command: list[str], cluster: dict[str, list[str]], output: IO[str],
-                 grace_seconds: float, interrupted: threading.Event):
+                 grace_seconds: float, interrupted: _Interruption):
         self.command = command
         self.cluster = cluster
         self.output = output
@@ -159,11 +183,14 @@ class _Group:
         self.reported: set[Task] = set()
 
     def run(self) -> int:
+        # Until a task fails, children are stopped with the long grace (an interrupt lets
+        # them save); `_watch` shortens it after a failure that leaves nothing to save.
+        self.stop_grace = self.grace_seconds
         try:
             self._start()
             return self._watch()
         finally:
-            self._stop_all()
+            self._stop_all(self.stop_grace)
             for relay in self.relays:
                 relay.join(timeout=2)
 
@@ -193,28 +220,42 @@ class _Group:
         while True:
             if self.interrupted.is_set():
                 _say(self.output, "interrupted; stopping every task")
-                return 130
+                return 128 + self.interrupted.signum
             for task, process in self.processes.items():
                 status = process.poll()
                 if status is None or status == 0 or task in self.reported:
                     continue
+                status = _shell_status(status)
                 if self.chief_decides and task not in self.deciders:
                     self.reported.add(task)
                     _say(self.output, f"{task.name} exited with status {status}; the chief "
                                       f"decides whether training goes on")
                     continue
-                _say(self.output, f"{task.name} exited with status {status}; "
-                                  f"stopping the other tasks")
-                return status if status > 0 else 1
+                if status == RESTART_EXIT_CODE:
+                    _say(self.output, f"{task.name} exited with status {status} (saved for a "
+                                      f"restart); waiting up to {self.grace_seconds:g} s for "
+                                      f"the other tasks")
+                    self._wait_for_all(self.grace_seconds)
+                else:
+                    _say(self.output, f"{task.name} exited with status {status}; "
+                                      f"stopping the other tasks")
+                    self.stop_grace = FAILURE_GRACE_SECONDS
+                return status
             if all(self.processes[task].poll() == 0 for task in self.deciders):
                 return 0
             self.interrupted.wait(0.1)
 
-    def _stop_all(self) -> None:
+    def _wait_for_all(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        for process in self.processes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _stop_all(self, grace_seconds: float) -> None:
         running = [p for p in self.processes.values() if p.poll() is None]
         for process in running:
             _signal_group(process, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_seconds
+        deadline = time.monotonic() + grace_seconds
         for process in running:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -222,7 +263,12 @@ class _Group:
             # The leader may be gone while its group lives on: signal the group regardless.
             _signal_group(process, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=self.grace_seconds)
+                process.wait(timeout=FAILURE_GRACE_SECONDS)
+
+
+def _shell_status(returncode: int) -> int:
+    """A child's exit status as a shell reports it: 128 + N when signal N ended it."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _signal_group(process: subprocess.Popen, signum: int) -> None:
@@ -231,7 +277,7 @@ def _signal_group(process: subprocess.Popen, signum: int) -> None:
 
 
 @contextlib.contextmanager
-def _signals_set(event: threading.Event) -> Iterator[None]:
+def _signals_set(event: _Interruption) -> Iterator[None]:
     """SIGINT and SIGTERM to the launcher set `event`, which stops the group.
 
     The handler only sets a flag: an exception raised wherever the signal lands
@@ -243,7 +289,7 @@ def _signals_set(event: threading.Event) -> Iterator[None]:
     previous = {}
     try:
         for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, lambda *_: event.set())
+            previous[signum] = signal.signal(signum, lambda received, _: event.set_by(received))
     except ValueError:  # Not the main thread: leave signals alone.
         pass
     try:

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 from absl import logging
 
 from tfdist import registry
-from tfdist.cluster import ClusterInfo, detect_cluster
+from tfdist.cluster import ClusterInfo, beyond_loopback, detect_cluster
 from tfdist.config import Config, Strategy, ThreadsConfig, load_config
 from tfdist.errors import ConfigError
 from tfdist.files import atomic_write_text
@@ -98,6 +98,9 @@ class Runner:
         self.config = dataclasses.replace(config, strategy=strategy_name,
                                           precision=self.precision.precision)
         self._adapter = adapter_cls(self.config, self.cluster)
+        _warn_if_untrusted_network(self._adapter.server_addresses(), config.trusted_network)
+        self._shuffles: list[Any] = []  # tfdist.shuffling.EpochShuffle
+        self._elastic_state: Any = None
         _configure_threads(config.threads, default_inter_op=self._adapter.inter_op_threads(),
                            default_intra_op=self._adapter.intra_op_threads())
         if config.seed is not None:
@@ -189,11 +192,17 @@ class Runner:
                 optimizer, finite_reduce_fn=self._adapter.finite_reduce_fn(),
                 **loss_scale_options)
 
-    def dataset(self, source: Any, global_batch_size: int, *, drop_remainder: bool = True) -> Any:
+    def dataset(self, source: Any, global_batch_size: int, *, drop_remainder: bool = True,
+                shuffle_buffer_size: int = 0) -> Any:
         """Batches and places unbatched data as the strategy needs.
 
         Step i consumes the same examples under every strategy: those of step i
         under `one_device` with the same global batch.
+
+        Shuffle here rather than in the source for a run that can resume: a
+        `tf.data` shuffle that reshuffles each iteration gives a restarted process
+        epoch 0's order again, while this one's order is fixed by (seed, epoch)
+        (see `tfdist.shuffling`).
 
         Args:
             source: An unbatched `tf.data.Dataset`, or a function of
@@ -203,6 +212,10 @@ class Runner:
                 this is the micro-batch, and each update is over k times as many.
             drop_remainder: Drop a final partial batch (the default, so every step's
                 gradient is the mean over a full global batch). False suits evaluation.
+            shuffle_buffer_size: Shuffle each epoch with a buffer of this many
+                examples, in the order of (`seed`, epoch), the same on every
+                process (0: keep the source's order). The source's length shuffles
+                it uniformly.
 
         Returns:
             What to pass to `model.fit`, `model.evaluate` or `model.predict`.
@@ -211,12 +224,100 @@ class Runner:
             ConfigError: the batch does not divide across replicas, or the source is
                 not a dataset.
         """
-        return self._adapter.distribute_dataset(source, global_batch_size,
-                                                drop_remainder=drop_remainder)
+        shuffle = None
+        if shuffle_buffer_size:
+            if (not isinstance(shuffle_buffer_size, int) or isinstance(shuffle_buffer_size, bool)
+                    or shuffle_buffer_size < 0):
+                raise ConfigError(f"shuffle_buffer_size must be an integer >= 0 (0: no "
+                                  f"shuffle). Received: shuffle_buffer_size="
+                                  f"{shuffle_buffer_size!r}")
+            from tfdist.shuffling import EpochShuffle
 
-    def callbacks(self) -> list[Any]:
-        """Keras callbacks to add to `model.fit` for this strategy."""
-        return self._adapter.callbacks()
+            shuffle = EpochShuffle(shuffle_buffer_size, seed=self.config.seed or 0)
+            self._shuffles.append(shuffle)
+        return self._adapter.distribute_dataset(source, global_batch_size,
+                                                drop_remainder=drop_remainder, shuffle=shuffle)
+
+    def callbacks(self, checkpoint_dir: str | os.PathLike | None = None, *,
+                  save_every_steps: int | None = None, keep: int | None = None) -> list[Any]:
+        """Keras callbacks to add to `model.fit` for this strategy.
+
+        Args:
+            checkpoint_dir: Where to keep checkpoints for an exact resume, shared by
+                every process. A run started again with the same folder goes on from
+                its newest good checkpoint, at the step after it (see
+                `tfdist.backup.BackupAndRestore`); a SIGTERM to any process makes
+                every process save at one agreed step and exit with status 143.
+                None: `checkpoint.dir` from the config (empty: no checkpoints).
+            save_every_steps: Also save every this many steps (0: at epoch ends
+                only). None: `checkpoint.save_every_steps`.
+            keep: Checkpoints kept. None: `checkpoint.keep`.
+
+        Returns:
+            The callbacks, the checkpoint's first (it restores before the others start).
+
+        Example:
+
+            model.fit(data, epochs=5, callbacks=runner.callbacks(checkpoint_dir="ckpt",
+                                                                 save_every_steps=100))
+        """
+        options = self.config.checkpoint
+        directory = options.dir if checkpoint_dir is None else os.fspath(checkpoint_dir)
+        if not directory and self._elastic_state is None:
+            return self._adapter.callbacks()
+        from tfdist.backup import BackupAndRestore
+
+        backup = BackupAndRestore(
+            directory or None, self._adapter, shuffles=self._shuffles,
+            save_every_steps=(options.save_every_steps if save_every_steps is None
+                              else save_every_steps),
+            keep=options.keep if keep is None else keep, grace_seconds=options.grace_seconds,
+            elastic_state=self._elastic_state)
+        return [backup, *self._adapter.callbacks()]
+
+    def run_elastic(self, train: Any) -> Any:
+        """Runs `train()` under Horovod elastic: it goes on with the ranks left when one is lost.
+
+        Start the job with `horovodrun --min-np N ...` (with a host discovery script,
+        or `-H` naming at least two hosts). Every `runner.callbacks()` save point also
+        commits the state in memory (with or without a `checkpoint_dir`). When a rank
+        fails, the others restore the last commit, Horovod restarts with the ranks
+        left, and `train()` is called again: its `fit` resumes from the commit, each
+        rank's slice of the global batch follows the new number of ranks, and so does
+        `horovod.scale_learning_rate`'s multiplier. Call `runner.dataset` and
+        `runner.callbacks` inside `train`, so they are made for the current ranks.
+
+        Args:
+            train: A function of no arguments that calls `model.fit`.
+
+        Returns:
+            What `train` returns, once it has returned.
+
+        Raises:
+            ConfigError: the strategy is not horovod.
+
+        Example:
+
+            def train():
+                model.fit(runner.dataset(ds, 64), epochs=5,
+                          callbacks=runner.callbacks(save_every_steps=50))
+
+            runner.run_elastic(train)
+        """
+        if self.strategy_name is not Strategy.HOROVOD:
+            raise ConfigError(f"runner.run_elastic needs strategy horovod (under horovodrun "
+                              f"--min-np ...); other strategies restart the whole group from "
+                              f"a checkpoint instead. Received: strategy="
+                              f"{self.strategy_name.value}")
+        from tfdist import elastic
+
+        self._elastic_state = elastic.elastic_state_cls()(self._adapter.hvd)
+        try:
+            state = self._elastic_state
+            return elastic.run(self._adapter.hvd, state, train, on_reset=lambda: (
+                state.model is not None and self._adapter.on_membership_change(state.model)))
+        finally:
+            self._elastic_state = None
 
     def writable_dir(self, directory: str | os.PathLike) -> str:
         """Where this process writes what only the chief should keep.
@@ -250,6 +351,29 @@ class Runner:
             return None
         return atomic_write_text(os.path.join(os.fspath(directory), "config.yaml"),
                                  self.config.to_yaml())
+
+
+_warned_untrusted = False
+
+
+def _warn_if_untrusted_network(addresses: list[str], trusted: bool) -> None:
+    """Warns once, before any server starts, that TensorFlow's gRPC servers take anyone's calls.
+
+    TensorFlow's distributed runtime authenticates no one: a process that can reach
+    a server's port can run any operation in it (TensorFlow's SECURITY.md). A
+    cluster whose addresses all lead back to this machine is the one case left
+    alone, though even then TensorFlow listens on every interface.
+    """
+    global _warned_untrusted
+    exposed = beyond_loopback(addresses)
+    if not exposed or trusted or _warned_untrusted:
+        return
+    _warned_untrusted = True
+    logging.warning("tfdist: this cluster's TensorFlow servers talk over %s, and TensorFlow's "
+                    "gRPC servers run whatever any caller sends, without authentication (see "
+                    "TensorFlow's SECURITY.md). Run only on a network that admits trusted "
+                    "machines alone, and then set trusted_network: true to silence this "
+                    "warning.", ", ".join(exposed[:4]) + (", ..." if len(exposed) > 4 else ""))
 
 
 def _configure_threads(threads: ThreadsConfig, default_inter_op: int = 0,

@@ -74,10 +74,11 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
                           "tensorboard, or set train.tensorboard=false. "
                           "Received: train.tensorboard=true")
     splits = data.load(job)
-    # One seed on every worker: each takes its shard of the same order, so together
-    # they see every example once per epoch.
-    train_data = splits.train.shuffle(splits.num_train, seed=runner.config.seed or 0,
-                                      reshuffle_each_iteration=True)
+    # Shuffled by the Runner: the same order on every worker (each takes its slices, so
+    # together they see every example once per epoch), fixed by (seed, epoch), so a run
+    # resumed from a checkpoint sees the batches it would have seen.
+    train_data = runner.dataset(splits.train, job.global_batch_size,
+                                shuffle_buffer_size=splits.num_train)
     with runner.scope():
         model = build_reference_model(splits.num_features, splits.num_classes,
                                       job.hidden_units, job.hidden_layers)
@@ -88,8 +89,7 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
     if job.tensorboard:
         callbacks.append(keras.callbacks.TensorBoard(
             runner.writable_dir(os.path.join(job.output_dir, "tensorboard"))))
-    history = model.fit(runner.dataset(train_data, job.global_batch_size), epochs=job.epochs,
-                        callbacks=callbacks,
+    history = model.fit(train_data, epochs=job.epochs, callbacks=callbacks,
                         shuffle=False,  # The dataset shuffles itself, once per epoch.
                         verbose=1 if runner.is_chief else 0)
     test_loss, test_accuracy = model.evaluate(
@@ -103,15 +103,26 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
         "global_batch_size": job.global_batch_size,  # one forward pass: the micro-batch
         "effective_batch_size": job.global_batch_size * runner.config.accumulation_steps,
         "dataset": job.dataset.value,
-        "final_loss": float(history.history["loss"][-1]),
-        "train_accuracy": float(history.history["accuracy"][-1]),
+        # Epochs this process trained: fewer than `epochs` after a resume.
+        "epochs_trained": len(history.epoch),
+        "final_loss": _last(history, "loss"),
+        "train_accuracy": _last(history, "accuracy"),
         "test_loss": float(test_loss),
         "accuracy": float(test_accuracy),
         "examples_per_sec": round(throughput.examples_per_sec, 1),
         "is_chief": runner.is_chief,
     }
+    if runner.config.checkpoint.dir:
+        result["checkpoint_dir"] = runner.config.checkpoint.dir
     if runner.is_chief:
         runner.save_config(job.output_dir)
         atomic_write_text(os.path.join(job.output_dir, "result.json"),
                           json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _last(history: keras.callbacks.History, key: str) -> float | None:
+    """The last epoch's value, or None when this process trained no epoch (a finished run
+    resumed from its last checkpoint)."""
+    values = history.history.get(key)
+    return float(values[-1]) if values else None

@@ -15,14 +15,17 @@ Example:
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
-from typing import Any, Callable, Union
+from typing import Any, Callable, ContextManager, Sequence, Union
 
 import tensorflow as tf
 
 from tfdist.cluster import ClusterInfo
 from tfdist.config import Config
 from tfdist.errors import ConfigError
+from tfdist.preemption import LocalStop, StopAgreement
+from tfdist.shuffling import EpochShuffle
 
 DatasetSource = Union[tf.data.Dataset, Callable[[tf.distribute.InputContext], tf.data.Dataset]]
 
@@ -67,7 +70,8 @@ class Adapter(abc.ABC):
         return 0
 
     def distribute_dataset(self, source: DatasetSource, global_batch_size: int, *,
-                           drop_remainder: bool = True) -> Any:
+                           drop_remainder: bool = True,
+                           shuffle: EpochShuffle | None = None) -> Any:
         """Batches unbatched data so step i consumes the same examples under every strategy.
 
         Args:
@@ -79,6 +83,8 @@ class Adapter(abc.ABC):
             drop_remainder: Drop a final partial batch. Keras weights each replica's
                 mean loss equally, so a partial batch split unevenly across replicas
                 would give a gradient other than the batch mean.
+            shuffle: Shuffles the unbatched examples of each epoch in the order of
+                (seed, epoch), before batching. None: keep the source's order.
 
         Returns:
             A dataset of global batches; Keras splits each across the replicas in
@@ -103,7 +109,11 @@ class Adapter(abc.ABC):
             # learning-rate schedule (the symptom of tensorflow/tensorflow#30636).
             dataset = call_dataset_function(source, tf.distribute.InputContext(
                 num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=replicas))
-        return batched(dataset, global_batch_size, drop_remainder)
+        return batched(self.shuffled(dataset, shuffle), global_batch_size, drop_remainder)
+
+    def shuffled(self, dataset: tf.data.Dataset, shuffle: EpochShuffle | None) -> tf.data.Dataset:
+        """`dataset` in the order of (seed, epoch), or as it is when `shuffle` is None."""
+        return dataset if shuffle is None else shuffle.apply(dataset)
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         """Returns the optimizer this strategy trains with. The base keeps it as it is.
@@ -133,6 +143,43 @@ class Adapter(abc.ABC):
 
     def callbacks(self) -> list[Any]:
         """Keras callbacks this strategy needs in `model.fit`. The base needs none."""
+        return []
+
+    # --- what checkpoints and preemption need: the base is one process --------------------
+
+    @property
+    def num_processes(self) -> int:
+        """Processes that run the training loop together (all of them call what follows)."""
+        return 1
+
+    def process_sum(self, values: Sequence[float]) -> list[float]:
+        """The sum of `values` over the processes, element by element (a collective)."""
+        return [float(value) for value in values]
+
+    def barrier(self, name: str) -> None:
+        """Returns once every process has reached the barrier `name`."""
+
+    def stop_agreement(self, run_key: str) -> StopAgreement:
+        """How the processes agree on the step to stop at after a SIGTERM.
+
+        Args:
+            run_key: Unique to this `fit` among the cluster's fits.
+        """
+        return LocalStop()
+
+    def prepare_checkpoint(self, variables: Sequence[Any]) -> ContextManager[None]:
+        """Arranges `variables` for a save inside the block; the base has nothing to do.
+
+        Args:
+            variables: Every variable the checkpoint holds.
+        """
+        return contextlib.nullcontext()
+
+    def after_restore(self, variables: Sequence[Any]) -> None:
+        """Adjusts `variables`, just restored from a checkpoint every process read."""
+
+    def server_addresses(self) -> list[str]:
+        """`host:port` of the TensorFlow servers this strategy starts (none by default)."""
         return []
 
 

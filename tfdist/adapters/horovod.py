@@ -23,10 +23,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import keras
 import numpy as np
@@ -34,11 +35,13 @@ import tensorflow as tf
 
 from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_function,
                                   check_global_batch_size)
-from tfdist.cluster import ClusterInfo
+from tfdist.cluster import ClusterInfo, set_default_environment
 from tfdist.config import Compression, Config, Reduction
 from tfdist.errors import ConfigError
 from tfdist.optimizers import GradientReducingOptimizer
+from tfdist.preemption import StopAgreement, VotedStop
 from tfdist.schedules import ScaledWarmup
+from tfdist.shuffling import EpochShuffle
 
 
 def import_horovod() -> ModuleType:
@@ -59,7 +62,19 @@ class HorovodAdapter(Adapter):
     def __init__(self, config: Config, cluster: ClusterInfo):
         super().__init__(config, cluster)
         self.hvd = import_horovod()
+        timeout = config.horovod.timeout_seconds
+        if timeout:
+            # Horovod reads these when it starts: a rank that has not joined a collective
+            # the others wait in for `timeout` seconds shuts Horovod down, and every
+            # rank's collective fails, instead of all waiting for ever. Values the user
+            # exported (mpirun -x, horovodrun's flags) win.
+            set_default_environment({
+                "HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(timeout) // 2)),
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(2, int(timeout)))})
         self.hvd.init()
+        self._scaled_rates: list[ScaledWarmup] = []  # Follow the size after an elastic reset.
+        self._voting = False  # Whether traced steps carry the preemption vote.
+        self._traced_without_vote = False
         size = self.hvd.size()
         if config.horovod.op is Reduction.ADASUM and size & (size - 1):
             raise ConfigError(f"horovod.op adasum needs a power-of-2 number of ranks (Horovod "
@@ -107,7 +122,8 @@ class HorovodAdapter(Adapter):
         return share - 1 if share > 2 else share
 
     def distribute_dataset(self, source: DatasetSource, global_batch_size: int, *,
-                           drop_remainder: bool = True) -> Any:
+                           drop_remainder: bool = True,
+                           shuffle: EpochShuffle | None = None) -> Any:
         """Each rank's slice of every global batch; whole batches for evaluation.
 
         Args:
@@ -122,6 +138,8 @@ class HorovodAdapter(Adapter):
                 False (evaluation): every rank gets every global batch whole, the
                 partial one included, so `model.evaluate` returns the figures of
                 the whole dataset on every rank (the work is repeated, not split).
+            shuffle: Shuffles each epoch in the order of (seed, epoch), the same
+                order on every rank, before each takes its slices.
         """
         size, rank = self.hvd.size(), self.hvd.rank()
         check_global_batch_size(global_batch_size, size)
@@ -129,13 +147,28 @@ class HorovodAdapter(Adapter):
             context = tf.distribute.InputContext(num_input_pipelines=size,
                                                  input_pipeline_id=rank,
                                                  num_replicas_in_sync=size)
-            return batched(call_dataset_function(source, context), global_batch_size // size,
-                           drop_remainder)
-        dataset = source.batch(global_batch_size, drop_remainder=drop_remainder)
+            return batched(self.shuffled(call_dataset_function(source, context), shuffle),
+                           global_batch_size // size, drop_remainder)
+        dataset = self.shuffled(source, shuffle).batch(global_batch_size,
+                                                       drop_remainder=drop_remainder)
         if drop_remainder:
             dataset = dataset.map(functools.partial(_rank_slice, rank=rank, size=size),
                                   num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return dataset.prefetch(tf.data.AUTOTUNE)
+
+    def on_membership_change(self, model: Any) -> None:
+        """After Horovod elastic restarted with other ranks: follow the new number of ranks.
+
+        The learning-rate multiplier of `horovod.scale_learning_rate` becomes the new
+        size, and the model's traced functions, which hold the old size as a
+        constant, are traced again at their next call.
+
+        Args:
+            model: The model being trained.
+        """
+        for schedule in self._scaled_rates:
+            schedule.multiplier = float(self.hvd.size())
+        model.train_function = model.test_function = model.predict_function = None
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
         """Averages (or sums) gradients across ranks before the optimizer applies them.
@@ -145,11 +178,19 @@ class HorovodAdapter(Adapter):
         """
         options = self.config.horovod
         if options.scale_learning_rate:
-            learning_rate = optimizer.get_config()["learning_rate"]
+            config = optimizer.get_config()
+            learning_rate = config["learning_rate"]
             if isinstance(learning_rate, dict):
                 learning_rate = keras.optimizers.schedules.deserialize(learning_rate)
-            optimizer.learning_rate = ScaledWarmup(learning_rate, multiplier=self.hvd.size(),
-                                                   warmup_steps=options.warmup_steps)
+            schedule = ScaledWarmup(learning_rate, multiplier=self.hvd.size(),
+                                    warmup_steps=options.warmup_steps)
+            # A new optimizer built with the schedule, not `optimizer.learning_rate = ...`:
+            # that setter untracks the rate's variable by deleting it from the optimizer's
+            # tracked list, and tf.train.Checkpoint then refuses to save the optimizer
+            # ("A list element was replaced ... tracking is exclusively for append-only
+            # data structures").
+            optimizer = type(optimizer).from_config({**config, "learning_rate": schedule})
+            self._scaled_rates.append(schedule)
         return GradientReducingOptimizer(optimizer, reduce_fn=self.gradient_reduce_fn())
 
     def gradient_reduce_fn(self) -> Callable[[list[Any]], list[Any]]:
@@ -161,8 +202,17 @@ class HorovodAdapter(Adapter):
                        Compression.FP16: hvd.Compression.fp16}[options.compression]
         # Horovod allgathers sparse gradients, which Adasum cannot combine.
         as_dense = options.sparse_as_dense or options.op is Reduction.ADASUM
+        stop_flag, stop_votes = self._stop_vote
 
         def allreduce(grads: list[Any]) -> list[Any]:
+            # Read when the step is traced. With preemption handling (see
+            # `stop_agreement`), the vote rides along: Horovod negotiates it in the same
+            # cycle as the gradients, so it adds no round trip, only its own small cost.
+            if self._voting:
+                stop_votes.assign(hvd.allreduce(stop_flag.read_value(), op=hvd.Sum,
+                                                name="tfdist_stop_vote"))
+            else:
+                self._traced_without_vote = True
             if as_dense:
                 grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                          for g in grads]
@@ -175,6 +225,16 @@ class HorovodAdapter(Adapter):
             return hvd.grouped_allreduce(grads, op=op, compression=compression)
 
         return allreduce
+
+    @functools.cached_property
+    def _stop_vote(self) -> tuple[tf.Variable, tf.Variable]:
+        """This rank's preemption flag, and the sum of all ranks' flags at the last update."""
+        from tensorflow.python.ops import resource_variable_ops
+
+        with tf.init_scope():
+            return tuple(resource_variable_ops.ResourceVariable(
+                0.0, trainable=False, name=name) for name in ("tfdist_stop_flag",
+                                                             "tfdist_stop_votes"))
 
     def finite_reduce_fn(self) -> Callable[[Any], Any]:
         """Finite only if finite on every rank: all ranks skip the same steps."""
@@ -189,6 +249,63 @@ class HorovodAdapter(Adapter):
 
     def callbacks(self) -> list[Any]:
         return [BroadcastState(self.hvd), AverageMetrics(self.hvd)]
+
+    # --- checkpoints and preemption ------------------------------------------------------
+
+    @property
+    def num_processes(self) -> int:
+        return self.hvd.size()
+
+    def process_sum(self, values: Sequence[float]) -> list[float]:
+        local = tf.constant([float(value) for value in values], tf.float64)
+        summed = self.hvd.allreduce(local, op=self.hvd.Sum, name="tfdist_process_sum")
+        return summed.numpy().tolist()
+
+    def barrier(self, name: str) -> None:
+        # horovod.tensorflow has no barrier; an allreduce every rank must join is one.
+        self.hvd.allreduce(tf.constant(0.0), op=self.hvd.Sum, name=f"tfdist_barrier_{name}")
+
+    def stop_agreement(self, run_key: str) -> StopAgreement:
+        """The vote that rides with each update's gradient allreduce: the stop comes at
+        the first step boundary after an update (under accumulation, the end of a
+        cycle) that carried a raised flag.
+
+        Steps traced before there was a vote to carry (a fit without checkpoints) are
+        traced again (`VotedStop.needs_retrace`).
+        """
+        self._voting = True
+        return VotedStop(*self._stop_vote, needs_retrace=self._traced_without_vote)
+
+    @contextlib.contextmanager
+    def prepare_checkpoint(self, variables: Sequence[Any]) -> Iterator[None]:
+        """During a save, each rank-local running sum holds its sum over the ranks.
+
+        Gradient accumulators and metric totals and counts are each rank's own (the
+        variables are rank-local, "on read" sums); rank 0 writes the checkpoint, which
+        then holds the sums over the ranks, as the tf.distribute strategies'
+        checkpoints do. `after_restore` gives each rank an equal share: an update
+        depends only on the accumulators' sum, and the averaged metrics only on the
+        metrics' sums (every rank counts as many examples).
+        """
+        sums = _rank_local_sums(variables)
+        if not sums:
+            yield
+            return
+        local = [variable.read_value() for variable in sums]
+        summed = self.hvd.grouped_allreduce(local, op=self.hvd.Sum,
+                                            name="tfdist_checkpoint_sums")
+        for variable, value in zip(sums, summed):
+            variable.assign(value)
+        try:
+            yield
+        finally:
+            for variable, value in zip(sums, local):
+                variable.assign(value)
+
+    def after_restore(self, variables: Sequence[Any]) -> None:
+        size = self.hvd.size()
+        for variable in _rank_local_sums(variables):
+            variable.assign(variable.read_value() / tf.cast(size, variable.dtype))
 
 
 def _rank_slice(*element: Any, rank: int, size: int) -> Any:
@@ -231,7 +348,7 @@ class BroadcastState(keras.callbacks.Callback):
         state = list(self.model.weights) + (list(optimizer.variables) if optimizer else [])
         # Replica-local state (gradient accumulators) is each rank's own by design: a
         # fit that starts in the middle of an accumulation cycle must keep it.
-        shared = [variable for variable in map(_tf_variable, state)
+        shared = [variable for variable in map(tf_variable, state)
                   if variable.synchronization != tf.VariableSynchronization.ON_READ]
         self._hvd.broadcast_variables(shared, root_rank=0)
 
@@ -277,6 +394,14 @@ def _is_scalar(value: Any) -> bool:
         isinstance(value, (np.ndarray, np.generic, tf.Tensor)) and np.size(value) == 1)
 
 
-def _tf_variable(variable: Any) -> tf.Variable:
+def _rank_local_sums(variables: Sequence[Any]) -> list[tf.Variable]:
+    """The rank-local variables that add up across ranks: "on read" sums (gradient
+    accumulators, metric totals and counts)."""
+    return [variable for variable in map(tf_variable, variables)
+            if variable.synchronization == tf.VariableSynchronization.ON_READ
+            and variable.aggregation == tf.VariableAggregation.SUM]
+
+
+def tf_variable(variable: Any) -> tf.Variable:
     """The `tf.Variable` under a Keras 3 variable (Horovod's ops take TensorFlow's own)."""
     return variable.value if isinstance(variable, keras.Variable) else variable

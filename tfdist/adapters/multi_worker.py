@@ -16,18 +16,27 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import tensorflow as tf
+from absl import logging
 from tensorflow.python.distribute import collective_all_reduce_strategy
 
 from tfdist import keras_compat
 from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_function,
                                   check_global_batch_size)
-from tfdist.config import AutoShard, Communication
+from tfdist.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, AutoShard, Communication
 from tfdist.devices import split_cpu
 from tfdist.errors import ConfigError
+from tfdist.preemption import CoordinatedStop, StopAgreement
+from tfdist.shuffling import EpochShuffle
+
+# How long a process waits at a barrier for the others: checkpoint reads and writes,
+# whose length depends on storage, happen between barriers, outside the collectives'
+# timeout. A barrier still fails at once when a peer is known to be gone.
+_BARRIER_TIMEOUT_MS = 60 * 60 * 1000
 
 _IMPLEMENTATIONS = {
     Communication.AUTO: tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -45,9 +54,16 @@ _SHARD_POLICIES = {
 class MultiWorkerAdapter(Adapter):
     """Builds `MultiWorkerMirroredStrategy` from the detected or configured cluster."""
 
+    _barriers = 0  # Barriers passed so far; each gets a name of its own.
+
     def create_strategy(self) -> tf.distribute.Strategy:
         resolver = self._cluster_resolver()
         options = self.config.multi_worker
+        if not options.timeout_seconds and self._expected_workers() > 1:
+            logging.warning("tfdist: multi_worker.timeout_seconds=0: a worker that is stuck "
+                            "(alive but not training) leaves every other worker waiting in "
+                            "a collective for ever. Set a timeout, such as %g seconds.",
+                            DEFAULT_COLLECTIVE_TIMEOUT_SECONDS)
         communication = tf.distribute.experimental.CommunicationOptions(
             implementation=_IMPLEMENTATIONS[options.communication],
             timeout_seconds=options.timeout_seconds or None)
@@ -77,7 +93,8 @@ class MultiWorkerAdapter(Adapter):
         return max(self.cluster.cpu_cores, self._expected_workers() + 1)
 
     def distribute_dataset(self, source: DatasetSource, global_batch_size: int, *,
-                           drop_remainder: bool = True) -> Any:
+                           drop_remainder: bool = True,
+                           shuffle: EpochShuffle | None = None) -> Any:
         """Global batches; each worker takes its replicas' slices of every step's batch.
 
         Args:
@@ -86,6 +103,8 @@ class MultiWorkerAdapter(Adapter):
                 pipeline id and must shard by it itself.
             global_batch_size: Examples per step across all replicas of all workers.
             drop_remainder: Drop a final partial global batch.
+            shuffle: Shuffles each epoch in the order of (seed, epoch), the same
+                order on every worker, before each takes its slices.
         """
         strategy = self.strategy
         check_global_batch_size(global_batch_size, strategy.num_replicas_in_sync)
@@ -93,7 +112,8 @@ class MultiWorkerAdapter(Adapter):
             options = tf.data.Options()
             options.experimental_distribute.auto_shard_policy = _SHARD_POLICIES[
                 self.config.multi_worker.auto_shard]
-            return batched(source, global_batch_size, drop_remainder).with_options(options)
+            return batched(self.shuffled(source, shuffle), global_batch_size,
+                           drop_remainder).with_options(options)
         if callable(source) and strategy.extended._num_devices_per_worker > 1:
             # TensorFlow counts such a dataset's cardinality in per-replica batches and
             # Keras 3 takes that as steps (see Adapter.distribute_dataset): with more
@@ -103,9 +123,66 @@ class MultiWorkerAdapter(Adapter):
                               f"Received: multi_worker.cpu_replicas="
                               f"{self.config.multi_worker.cpu_replicas}")
         return strategy.distribute_datasets_from_function(
-            lambda context: batched(call_dataset_function(source, context),
+            lambda context: batched(self.shuffled(call_dataset_function(source, context),
+                                                  shuffle),
                                     context.get_per_replica_batch_size(global_batch_size),
                                     drop_remainder))
+
+    # --- checkpoints and preemption ------------------------------------------------------
+
+    @property
+    def num_processes(self) -> int:
+        return len(self._worker_tasks())
+
+    def process_sum(self, values: Sequence[float]) -> list[float]:
+        """Sums over workers with the strategy's own all-reduce (each worker counted once)."""
+        strategy = self.strategy
+        local = tf.constant([float(value) for value in values], tf.float64)
+        per_worker = strategy.extended._num_devices_per_worker
+        summed = self._sum_over_replicas(local).numpy()
+        return [float(value) / per_worker for value in summed]
+
+    @functools.cached_property
+    def _sum_over_replicas(self) -> Any:
+        # In a tf.function, traced once per length: this strategy's eager collectives are
+        # slow and warn.
+        strategy = self.strategy
+
+        @tf.function
+        def all_reduce(value: tf.Tensor) -> tf.Tensor:
+            return strategy.reduce(tf.distribute.ReduceOp.SUM,
+                                   strategy.run(tf.identity, args=(value,)), axis=None)
+
+        return all_reduce
+
+    def barrier(self, name: str) -> None:
+        """A coordination-service barrier: no collective, and a long timeout of its own."""
+        from tensorflow.python.eager import context
+
+        self._barriers += 1  # Every worker passes the same barriers in the same order.
+        context.context().wait_at_barrier(f"{name}/{self._barriers}", _BARRIER_TIMEOUT_MS)
+
+    def stop_agreement(self, run_key: str) -> StopAgreement:
+        resolver = self.strategy.cluster_resolver
+        index = self._worker_tasks().index((resolver.task_type, resolver.task_id))
+        return CoordinatedStop(index, self.num_processes, run_key)
+
+    def server_addresses(self) -> list[str]:
+        options = self.config.multi_worker
+        if options.workers:
+            return list(options.workers)
+        if self.cluster.tf_config is not None:
+            return [address for addresses in self.cluster.tf_config.cluster.values()
+                    for address in addresses]
+        if self.cluster.slurm is not None:
+            return self.cluster.slurm.worker_addresses(options.slurm_port_base)
+        return []
+
+    def _worker_tasks(self) -> list[tuple[str, int]]:
+        """(task type, index) of every training process, the chief first."""
+        spec = self.strategy.cluster_resolver.cluster_spec().as_dict()
+        return [(task_type, index) for task_type in ("chief", "worker")
+                for index in range(len(spec.get(task_type, ())))]
 
     def _expected_workers(self) -> int:
         options = self.config.multi_worker

@@ -31,6 +31,7 @@ from tfdist.adapters.base import Adapter
 from tfdist.cluster import ClusterInfo, TFConfigInfo
 from tfdist.config import Config
 from tfdist.errors import ConfigError
+from tfdist.shuffling import EpochShuffle
 
 
 class ParameterServerAdapter(Adapter):
@@ -79,6 +80,19 @@ class ParameterServerAdapter(Adapter):
     def inter_op_threads(self) -> int:
         """At least workers + 1: the coordinator holds a thread per worker's remote call."""
         return max(self.cluster.cpu_cores, self.num_workers + 1)
+
+    def shuffled(self, dataset: tf.data.Dataset, shuffle: EpochShuffle | None) -> tf.data.Dataset:
+        """tf.data's own reshuffling, seeded: each worker rebuilds the dataset's graph,
+        which cannot reach the chief's epoch variable. Workers take batches
+        asynchronously, so the order is not reproducible anyway."""
+        if shuffle is None:
+            return dataset
+        return dataset.shuffle(shuffle.buffer_size, seed=shuffle.seed,
+                               reshuffle_each_iteration=True)
+
+    def server_addresses(self) -> list[str]:
+        return [address for addresses in self._tf_config.cluster.values()
+                for address in addresses]
 
     def _partitioner(self) -> tf.distribute.experimental.partitioners.Partitioner | None:
         options = self.config.parameter_server

@@ -21,6 +21,7 @@ from tfdist.adapters.base import Adapter, DatasetSource
 from tfdist.cluster import ClusterInfo
 from tfdist.config import TPUConfig
 from tfdist.errors import ConfigError
+from tfdist.shuffling import EpochShuffle
 
 
 def resolver_arguments(options: TPUConfig, cluster: ClusterInfo) -> dict[str, str | None]:
@@ -60,6 +61,8 @@ class TPUAdapter(Adapter):
         return tf.distribute.TPUStrategy(resolver)
 
     def distribute_dataset(self, source: DatasetSource, global_batch_size: int, *,
-                           drop_remainder: bool = True) -> Any:
+                           drop_remainder: bool = True,
+                           shuffle: EpochShuffle | None = None) -> Any:
         """As the base, but always drops the remainder: XLA compiles static shapes."""
-        return super().distribute_dataset(source, global_batch_size, drop_remainder=True)
+        return super().distribute_dataset(source, global_batch_size, drop_remainder=True,
+                                          shuffle=shuffle)

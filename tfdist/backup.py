@@ -1,0 +1,369 @@
+"""`BackupAndRestore`: `model.fit` that resumes exactly where a crash or preemption left it.
+
+Keras 3's own `keras.callbacks.BackupAndRestore` restores the weights and the
+epoch, but not the step: a run killed in the middle of an epoch replays that
+epoch from its first batch on weights that have already seen those batches. Its
+files are rewritten in place, and every worker of a multi-worker run writes and
+deletes the same folder. This callback restores the exact state instead:
+
+- **What is saved** (one `tf.train.Checkpoint`, see `tfdist.checkpointing`): the
+  model's variables (weights, BatchNormalization statistics, the random-generator
+  states of Dropout and other random layers), the optimizer's (slots,
+  `iterations`, the loss scale, gradient accumulators and their count), the
+  metrics' totals, and the position: epoch, step in the epoch, steps in all.
+- **Where training resumes**: at `on_train_begin` the newest good checkpoint is
+  restored. `fit` starts at its epoch; the steps of that epoch already done are
+  skipped, so the data (shuffled by `tfdist.shuffling.EpochShuffle` in the order
+  of (seed, epoch)) goes on from the next batch; the metrics go on from their
+  saved totals. A finished run restarted trains no step.
+- **When it saves**: every `save_every_steps` steps and at the end of every
+  epoch; on every process, since saving replicated variables is a collective,
+  but only the chief's files remain.
+- **Preemption**: after SIGTERM to any process, every process stops at one
+  agreed step boundary, saves, and exits with status 143 (`tfdist.preemption`).
+- **Horovod elastic**: with an elastic state (`runner.run_elastic`), the same
+  points commit the state in memory, and a `fit` called again after a reset
+  resumes from the last commit (`tfdist.elastic`).
+
+Example:
+
+    model.fit(runner.dataset(train, 256, shuffle_buffer_size=50_000), epochs=10,
+              callbacks=runner.callbacks(checkpoint_dir="/shared/run-1/ckpt",
+                                         save_every_steps=500))
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import keras
+from absl import logging
+
+from tfdist.checkpointing import (FORMAT_VERSION, CheckpointStore, TrainingPosition,
+                                  checkpoint_number, read_partially)
+from tfdist.errors import ClusterError, ConfigError
+from tfdist.preemption import RESTART_EXIT_CODE, PreemptionWatch, StopAgreement
+from tfdist.shuffling import EpochShuffle
+
+if TYPE_CHECKING:
+    from tfdist.adapters.base import Adapter
+
+# Each fit of a process gets its own keys in the coordination service; every process
+# counts its fits the same way.
+_fit_serial = itertools.count()
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Saves training state periodically and on SIGTERM; restores it exactly at the next start.
+
+    Build it with `runner.callbacks(checkpoint_dir=...)`, which gives it the
+    adapter (for the chief, the collectives and the stop agreement) and the
+    Runner's shuffles. It comes first among the callbacks: it restores at
+    `on_train_begin`, before Horovod's broadcast of rank 0's state.
+
+    Args:
+        directory: The run's checkpoint folder, readable by every process. None:
+            no files (only with `elastic_state`).
+        adapter: The Runner's adapter.
+        shuffles: The `EpochShuffle`s of the Runner's datasets; each epoch's order
+            is set from the epoch number.
+        save_every_steps: Also save every this many steps (0: at epoch ends only).
+        keep: Checkpoints kept (>= 2).
+        grace_seconds: How long after SIGTERM a process may take to stop.
+        elastic_state: A `tfdist.elastic` state to commit to at every save point,
+            and to resume from when it holds a commit.
+
+    Example:
+
+        callbacks = runner.callbacks(checkpoint_dir="ckpt", save_every_steps=100)
+        model.fit(dataset, epochs=5, callbacks=callbacks)
+    """
+
+    def __init__(self, directory: str | None, adapter: "Adapter", *,
+                 shuffles: Sequence[EpochShuffle] = (), save_every_steps: int = 0,
+                 keep: int = 3, grace_seconds: float = 25.0, elastic_state: Any = None):
+        super().__init__()
+        if not directory and elastic_state is None:
+            raise ConfigError("checkpoint_dir must name a folder. "
+                              f"Received: checkpoint_dir={directory!r}")
+        for name, value, lowest in (("save_every_steps", save_every_steps, 0), ("keep", keep, 2)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                raise ConfigError(f"{name} must be an integer >= {lowest}. "
+                                  f"Received: {name}={value!r}")
+        self.directory = str(directory) if directory else None
+        self.save_every_steps = save_every_steps
+        self.keep = keep
+        self._adapter = adapter
+        self._shuffles = shuffles
+        self._elastic = elastic_state
+        self._watch = PreemptionWatch(grace_seconds)
+        self._position = (elastic_state.position if elastic_state is not None
+                          and elastic_state.position is not None else TrainingPosition())
+        self._store: CheckpointStore | None = None
+        self._agreement: StopAgreement | None = None
+        self._put_back_metrics: Callable[[], None] | None = None
+        self._resume_epoch: int | None = None  # The epoch a restore landed in.
+        self._skip = 0  # Steps of the resumed epoch done before the restore.
+        self._saved_global_step = -1
+        self._saved_at: tuple[int, int, int] | None = None
+        self._boundary = 0
+        self._train_function: Any = None  # Keras's, while the skipping one stands in.
+        self._saved_variables: list[Any] = []
+
+    # --- Keras hooks ----------------------------------------------------------------------
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        model = self.model
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        objects = _saved_objects(model, self._position)
+        if self.directory:
+            self._store = CheckpointStore(self.directory, objects,
+                                          is_writer=self._adapter.is_chief, keep=self.keep)
+        if self._elastic is not None and self._elastic.has_commit:
+            self._resume_from_commit()
+        elif self._store is not None:
+            self._resume_from_checkpoint()
+        self._saved_variables = [variable for group in objects.values()
+                                 for variable in _variables_of(group)]
+        if self._elastic is not None:
+            self._elastic.attach(model, self._saved_variables, self._position)
+        self._agreement = self._adapter.stop_agreement(f"fit{next(_fit_serial)}")
+        if self._agreement.needs_retrace:
+            model.make_train_function(force=True)
+        self._agreement.start()
+        self._boundary = 0
+        self._watch.install()
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        # Keras has read the restored epoch by now; leave no stale value behind for a
+        # later fit of the same model.
+        self.model._initial_epoch = None
+        resuming, self._resume_epoch = self._resume_epoch == epoch, None
+        self._skip = self._skip if resuming else 0
+        if self._skip:
+            # Keras reset the metrics just before this call: put the saved totals back.
+            self._put_back_metrics()
+            if self.model.train_function is not None:
+                # Keras's loop; tfdist's parameter-server loop reads `steps_to_skip`.
+                self._skip_first_steps(self._skip)
+        for shuffle in self._shuffles:
+            shuffle.set_epoch(epoch)
+        self._position.move_to(epoch, self._skip, self._position.global_step)
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        done = batch + 1  # Keras passes the index of the execution's last step.
+        if done > self._skip:  # Not one of the steps a resume skips.
+            position = self._position
+            position.move_to(position.epoch, done,
+                             position.global_step + done - position.step)
+            if self._save_due(done):
+                self._save()
+        self._boundary += 1
+        if self._agreement.should_stop(self._boundary, self._watch.signalled):
+            self._stop()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._position.move_to(epoch + 1, 0, self._position.global_step)
+        self._save()
+        # A signal that came during the epoch's last step or its validation has no step
+        # boundary left in the epoch: every process reaches this point together, so one
+        # small collective agrees on it here.
+        if self._adapter.process_sum([float(self._watch.signalled)])[0] > 0:
+            self._stop()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self._release()
+
+    # --- what coordinated (parameter-server) training asks ------------------------------
+
+    def wants_state_at_step(self, done: int) -> bool:
+        """Whether the state after `done` steps of this epoch is to be saved, or a stop is near.
+
+        The parameter-server loop schedules steps ahead; it waits for them to finish
+        only where this says so.
+        """
+        return self._watch.signalled or self._save_due(done)
+
+    @property
+    def steps_to_skip(self) -> int:
+        """Steps of the resumed epoch done before the restore (0 in any other epoch)."""
+        return self._skip
+
+    # --- restoring ------------------------------------------------------------------------
+
+    def _resume_from_checkpoint(self) -> None:
+        store, adapter = self._store, self._adapter
+        path = store.restore_newest()
+        adapter.barrier("tfdist_restored")
+        # Every process must resume from the same checkpoint, or their weights differ.
+        number = checkpoint_number(path)
+        total, squares = adapter.process_sum([number, number * number])
+        processes = adapter.num_processes
+        if total != processes * number or squares != processes * number * number:
+            raise ClusterError(f"the processes of this run found different newest checkpoints "
+                               f"in {self.directory} (this one: {path or 'none'}): the folder "
+                               f"must be the same shared storage for every process (a shared "
+                               f"file system, or gs://...)")
+        if path is None:
+            logging.info("tfdist: no checkpoint in %s; training from the start", self.directory)
+            return
+        self._position.reload()
+        if self._position.format_version > FORMAT_VERSION:
+            raise ConfigError(f"checkpoint {path} was written by a newer tfdist (format "
+                              f"{self._position.format_version}, this one reads up to "
+                              f"{FORMAT_VERSION}); upgrade tfdist to resume it. "
+                              f"Received: checkpoint_dir={self.directory!r}")
+        metrics = _metric_variables(self.model)
+
+        def put_back() -> None:
+            read_partially(path, {"metrics": metrics})
+            self._adapter.after_restore(metrics)
+
+        self._put_back_metrics = put_back
+        self._resume(f"resuming from {path}")
+
+    def _resume_from_commit(self) -> None:
+        """After a Horovod elastic reset: the commit is restored and broadcast already."""
+        self._position.reload()
+        metrics = _metric_variables(self.model)
+        values = [variable.numpy() for variable in metrics]
+
+        def put_back() -> None:
+            for variable, value in zip(metrics, values):
+                variable.assign(value)
+            self._adapter.after_restore(metrics)
+
+        self._put_back_metrics = put_back
+        self._resume(f"resuming from the last commit with {self._adapter.num_processes} "
+                     f"process(es)")
+
+    def _resume(self, how: str) -> None:
+        """Continues from the position just restored, on the state just restored."""
+        model = self.model
+        self._adapter.after_restore(list(model.variables) + (
+            list(model.optimizer.variables) if model.optimizer is not None else []))
+        position = self._position
+        self._saved_global_step = position.global_step
+        self._saved_at = (position.epoch, position.step, position.global_step)
+        self._resume_epoch, self._skip = position.epoch, position.step
+        self.model._initial_epoch = position.epoch
+        _say(f"{how}: {position.describe()}")
+
+    def _skip_first_steps(self, count: int) -> None:
+        """Makes the next `count` steps consume their batches without training on them.
+
+        Keras counts the resumed epoch from its first step; the steps done before
+        the checkpoint still take their batches from the data (so the rest of the
+        epoch gets the batches it would have had) and reach callbacks, with the
+        restored metrics as their logs, but do not train.
+        """
+        model = self.model
+        train_function = self._train_function = model.train_function
+        per_call = int(getattr(model, "steps_per_execution", 1) or 1)
+        remaining = count
+        logs: dict[str, Any] = {}
+        if count % per_call:
+            logging.warning("tfdist: the checkpoint is at step %d, not a multiple of "
+                            "steps_per_execution=%d (changed since it was saved?); the "
+                            "epoch's last execution will be short", count, per_call)
+
+        def skip_or_train(iterator: Any) -> Any:
+            nonlocal remaining, logs
+            if not logs:
+                logs = {name: float(value)
+                        for name, value in model.get_metrics_result().items()}
+            for _ in range(min(per_call, remaining)):
+                next(iterator)
+            remaining -= per_call
+            if remaining <= 0:
+                model.train_function = train_function
+            if remaining < 0:  # A short skip: train the rest of this execution.
+                return train_function(iterator)
+            return logs
+
+        model.train_function = skip_or_train
+
+    # --- saving and stopping ----------------------------------------------------------------
+
+    def _save_due(self, done: int) -> bool:
+        """Whether the schedule saves after `done` steps of this epoch (the same everywhere)."""
+        every = self.save_every_steps
+        if not every:
+            return False
+        global_step = self._position.global_step + done - self._position.step
+        return global_step // every > max(self._saved_global_step, 0) // every
+
+    def _save(self) -> None:
+        position = self._position
+        where = (position.epoch, position.step, position.global_step)
+        if where == self._saved_at:
+            return
+        position.record()
+        with self._adapter.prepare_checkpoint(self._saved_variables):
+            if self._store is not None:
+                path = self._store.save(position.global_step)
+                logging.info("tfdist: saved %s (%s)", path, position.describe())
+            if self._elastic is not None:
+                self._elastic.save()
+        self._saved_global_step, self._saved_at = position.global_step, where
+        # A slow writer (the chief, say) must not leave the others waiting in a collective
+        # long enough to time out: everyone leaves the save together.
+        self._adapter.barrier("tfdist_saved")
+        if self._elastic is not None:
+            # Horovod's driver may have announced new ranks: every rank raises here at
+            # the same commit, and the elastic loop resets.
+            self._elastic.check_host_updates()
+
+    def _stop(self) -> None:
+        self._save()
+        where = f", saved to {self.directory}" if self.directory else ""
+        _say(f"preempted (SIGTERM): every process stopped at {self._position.describe()}"
+             f"{where}; exiting with status {RESTART_EXIT_CODE} to be restarted")
+        self._release(deliver_signal=False)
+        raise SystemExit(RESTART_EXIT_CODE)
+
+    def _release(self, deliver_signal: bool = True) -> None:
+        if self._agreement is not None:
+            self._agreement.close()
+            self._agreement = None
+        if self._train_function is not None:
+            self.model.train_function = self._train_function
+            self._train_function = None
+        self.model._initial_epoch = None
+        if self._store is not None:
+            self._store.close()
+        if deliver_signal:
+            self._watch.uninstall()
+
+
+def _saved_objects(model: keras.Model, position: TrainingPosition) -> dict[str, Any]:
+    """What a checkpoint holds, by name."""
+    # The model's variables as a list: a Keras 3 model is not a trackable parent of its
+    # layers' variables, and `variables` (unlike `weights`) includes the states of its
+    # random-number generators (Dropout).
+    objects = {"model": list(model.variables), "position": position,
+               "metrics": _metric_variables(model)}
+    if model.optimizer is not None:
+        objects["optimizer"] = model.optimizer
+    return objects
+
+
+def _variables_of(group: Any) -> list[Any]:
+    """The variables of one entry of `_saved_objects`."""
+    if isinstance(group, TrainingPosition):
+        return group.variables_to_save
+    if isinstance(group, keras.optimizers.Optimizer):
+        return list(group.variables)
+    return list(group)
+
+
+def _metric_variables(model: keras.Model) -> list[Any]:
+    """The totals and counts of the model's metrics, in a fixed order."""
+    return [variable for metric in model.metrics for variable in metric.variables]
+
+
+def _say(message: str) -> None:
+    print(f"tfdist: {message}", file=sys.stderr, flush=True)

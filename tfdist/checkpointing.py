@@ -1,0 +1,208 @@
+"""Checkpoints on disk: atomic, the newest few kept, a torn one passed over.
+
+`CheckpointStore` keeps a run's `tf.train.Checkpoint`s in one folder through a
+`tf.train.CheckpointManager`: each checkpoint's files are written first, and
+the `checkpoint` state file that names them is replaced atomically afterwards,
+so a process killed while saving leaves the previous checkpoints as they were.
+Reading, the newest checkpoint that restores wins; a truncated or corrupt one is
+passed over with a warning, and the one before it is used.
+
+Processes that must take part in a save (reading a variable replicated across
+workers is a collective) but should not leave files write to a private
+temporary folder, emptied after each save.
+
+`TrainingPosition` is where in training a checkpoint was taken: epoch, step in
+the epoch, steps in all, and the format version, saved inside the checkpoint
+itself, so position and state cannot disagree.
+
+Example:
+
+    position = TrainingPosition()
+    store = CheckpointStore("ckpt", {"weights": model.variables, "position": position},
+                            is_writer=True, keep=3)
+    position.move_to(epoch=0, step=4, global_step=4)
+    position.record()
+    store.save(position.global_step)
+    restored = store.restore_newest()     # the path restored, or None
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Mapping
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.python.ops import resource_variable_ops
+
+from tfdist.errors import ConfigError
+
+# Bumped when what a checkpoint holds changes in a way an older reader would misread.
+FORMAT_VERSION = 1
+
+# What a torn, corrupt or missing checkpoint file raises when it is read: TensorFlow's
+# errors (a bad index file is a bare OpError, "not an sstable"), and, for a truncated
+# data file, IndexError ("Read less bytes than requested") from TensorFlow's reader.
+_UNREADABLE = (tf.errors.OpError, IndexError)
+
+
+class TrainingPosition(tf.Module):
+    """Where training is: the state a checkpoint resumes from, beside the weights.
+
+    The live values are Python integers, cheap to move at every step; `record`
+    copies them into variables of this process (never distributed, the same on
+    every process) just before a save, and `reload` reads them back after a
+    restore.
+
+    Attributes:
+        epoch: The epoch in progress (0-based).
+        step: Training steps done in that epoch.
+        global_step: Training steps done since the start of the run.
+        format_version: `FORMAT_VERSION` of the code that saved what was reloaded.
+    """
+
+    def __init__(self):
+        super().__init__(name="tfdist_training_position")
+        self.epoch = self.step = self.global_step = 0
+        self.format_version = FORMAT_VERSION
+        with tf.init_scope(), tf.device("/cpu:0"):
+            # ResourceVariable: no strategy's variable creator intercepts it.
+            def variable(name: str, value: int = 0) -> tf.Variable:
+                return resource_variable_ops.ResourceVariable(
+                    value, dtype=tf.int64, trainable=False, name=name)
+
+            self.epoch_variable = variable("epoch")
+            self.step_variable = variable("step")
+            self.global_step_variable = variable("global_step")
+            self.format_version_variable = variable("format_version", FORMAT_VERSION)
+
+    @property
+    def variables_to_save(self) -> list[tf.Variable]:
+        return [self.epoch_variable, self.step_variable, self.global_step_variable,
+                self.format_version_variable]
+
+    def move_to(self, epoch: int, step: int, global_step: int) -> None:
+        """Records that `step` steps of `epoch` are done, `global_step` in all."""
+        self.epoch, self.step, self.global_step = epoch, step, global_step
+
+    def record(self) -> None:
+        """Copies the position into its variables, for a save."""
+        for variable, value in zip(self.variables_to_save, (
+                self.epoch, self.step, self.global_step, FORMAT_VERSION)):
+            variable.assign(value)
+
+    def reload(self) -> None:
+        """Takes the position from its variables, after they were restored."""
+        self.epoch, self.step, self.global_step, self.format_version = (
+            int(variable.numpy()) for variable in self.variables_to_save)
+
+    def describe(self) -> str:
+        """Where this is, for people: epochs and steps counted from 1."""
+        where = (f"the end of epoch {self.epoch}" if self.step == 0 and self.epoch
+                 else f"epoch {self.epoch + 1}, step {self.step}")
+        return f"{where} (step {self.global_step} in all)"
+
+
+class CheckpointStore:
+    """A folder of checkpoints of one set of objects.
+
+    Args:
+        directory: The run's checkpoint folder; every process reads from it.
+        objects: What a checkpoint holds, by name (`tf.train.Checkpoint`'s keyword
+            arguments): a model, an optimizer, variables, lists of them.
+        is_writer: Whether this process's files are kept (the chief's). Other
+            processes write to a private temporary folder, emptied after each save.
+        keep: Checkpoints kept in `directory`; older ones are deleted.
+
+    Raises:
+        ConfigError: `directory` exists and is not a folder, or cannot be created.
+    """
+
+    def __init__(self, directory: str | os.PathLike, objects: Mapping[str, Any], *,
+                 is_writer: bool, keep: int):
+        self.directory = os.fspath(directory)
+        self.checkpoint = tf.train.Checkpoint(**objects)
+        self._is_writer = is_writer
+        if is_writer:
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError as error:
+                raise ConfigError(f"checkpoint directory {self.directory} cannot be created "
+                                  f"({error.strerror}); choose a writable folder. "
+                                  f"Received: checkpoint_dir={self.directory!r}") from None
+            write_directory, max_to_keep = self.directory, keep
+        else:
+            write_directory, max_to_keep = tempfile.mkdtemp(prefix="tfdist-not-chief-"), 1
+        self._manager = tf.train.CheckpointManager(self.checkpoint, write_directory,
+                                                   max_to_keep=max_to_keep,
+                                                   checkpoint_name="ckpt")
+
+    def save(self, number: int) -> str:
+        """Writes a checkpoint numbered `number` (the global step); returns its path."""
+        path = self._manager.save(checkpoint_number=number)
+        if not self._is_writer:
+            shutil.rmtree(self._manager.directory, ignore_errors=True)
+        return path if self._is_writer else os.path.join(self.directory,
+                                                          os.path.basename(path))
+
+    def candidates(self) -> list[str]:
+        """The checkpoints in `directory`, newest first."""
+        state = tf.train.get_checkpoint_state(self.directory)
+        if state is None:
+            return []
+        # TensorFlow has joined relative paths to the folder already.
+        paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+        return list(reversed(paths))
+
+    def restore_newest(self) -> str | None:
+        """Restores the newest checkpoint that reads whole; returns its path, or None.
+
+        Raises:
+            ConfigError: a checkpoint was read but does not fit the objects (another
+                model), or every checkpoint in the folder is unreadable.
+        """
+        candidates = self.candidates()
+        for path in candidates:
+            try:
+                status = self.checkpoint.restore(path)
+                status.assert_existing_objects_matched()
+            except _UNREADABLE as error:
+                logging.warning("tfdist: checkpoint %s cannot be read (%s: %s); trying the "
+                                "one before it", path, type(error).__name__,
+                                str(error).splitlines()[0][:200])
+                continue
+            except (AssertionError, ValueError) as error:
+                raise ConfigError(f"checkpoint {path} does not fit this model and optimizer "
+                                  f"({str(error).splitlines()[0][:200]}); resume with the "
+                                  f"same model, or start in an empty checkpoint_dir. "
+                                  f"Received: checkpoint_dir={self.directory!r}") from None
+            return path
+        if candidates:
+            raise ConfigError(f"none of the {len(candidates)} checkpoints in {self.directory} "
+                              f"can be read; move them away to start over. "
+                              f"Received: checkpoint_dir={self.directory!r}")
+        return None
+
+    def close(self) -> None:
+        """Removes this process's temporary folder, if it has one."""
+        if not self._is_writer:
+            shutil.rmtree(self._manager.directory, ignore_errors=True)
+
+
+def read_partially(path: str, objects: Mapping[str, Any]) -> None:
+    """Restores only `objects` (a subset of what was saved, under the same names).
+
+    Example:
+
+        read_partially(path, {"metrics": metric_variables})
+    """
+    tf.train.Checkpoint(**objects).read(path).expect_partial()
+
+
+def checkpoint_number(path: str | None) -> int:
+    """The number in a checkpoint's path (`.../ckpt-12` -> 12); -1 for None."""
+    if path is None:
+        return -1
+    return int(path.rsplit("-", 1)[1])
