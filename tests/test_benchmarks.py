@@ -21,6 +21,8 @@ pytestmark = pytest.mark.slow
     ("parameter_server.py", ["--steps", "10", "--repeats", "1", "--spe", "1", "--spe", "10",
                              "--workers", "1"],
      {"w1_spe1_ratio", "w1_spe10_ratio", "w1_spe10_raw", "w1_spe10_tfdist", "min_ratio"}),
+    ("checkpoint.py", ["--rounds", "2", "--steps", "2"],
+     {"ratio_one_device", "ratio_mirrored", "save_ms", "horovod_check_us"}),
 ])
 def test_benchmark_prints_its_figures(script, args, keys, tmp_path):
     result = run_command([sys.executable, str(REPO / "benchmarks" / script), *args],

@@ -129,3 +129,36 @@ def test_a_lost_cluster_is_one_line_with_status_1(capsys):
     assert exit_info.value.code == 1
     assert capsys.readouterr().err == ("tfdist: error: parameter server ps:0 (127.0.0.1:1) "
                                        "stopped answering\n")
+
+
+@pytest.mark.slow
+def test_train_with_a_checkpoint_dir_resumes_and_a_finished_run_trains_no_step(tmp_path):
+    command = [TFDIST, "train", "--strategy", "one_device", "--checkpoint_dir", "ckpt",
+               "--set", "train.epochs=2", "--set", "seed=3"]
+    first = run_command(command, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(path.name for path in (tmp_path / "ckpt").glob("*.index")) == [
+        "ckpt-22.index", "ckpt-44.index"]  # the end of each epoch (22 steps of 64)
+    again = run_command(command, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from ckpt/ckpt-44: the end of epoch 2 (step 44 in all)" in again.stderr
+    before, after = last_json_line(first.stdout), last_json_line(again.stdout)
+    assert (before["epochs_trained"], after["epochs_trained"]) == (2, 0)
+    assert after["final_loss"] is None and after["checkpoint_dir"] == "ckpt"
+    assert after["accuracy"] == before["accuracy"]  # the restored weights, evaluated
+
+
+@pytest.mark.parametrize("error, words", [
+    ("DeadlineExceededError", "a peer did not join a collective within its timeout"),
+    ("UnknownError", "Horovod shut down: a rank stopped joining collectives")])
+def test_a_lost_or_stuck_peer_is_one_line(error, words):
+    import tensorflow as tf
+
+    from tfdist.cli import _peer_failure
+
+    message = {"DeadlineExceededError": "Collective has timed out during execution.",
+               "UnknownError": "Horovod has been shut down. This was caused by an exception"}
+    failure = getattr(tf.errors, error)(None, None, message[error])
+    line = _peer_failure(failure)
+    assert words in line and "\n" not in line
+    assert _peer_failure(tf.errors.UnknownError(None, None, "something else")) is None

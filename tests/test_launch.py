@@ -158,7 +158,7 @@ def test_interrupting_the_launcher_stops_every_child(signum, started_ignoring_si
     assert len(children()) == 2
     launcher.send_signal(signum)
     output, _ = launcher.communicate(timeout=20)
-    assert launcher.returncode == 130, output
+    assert launcher.returncode == 128 + signum, output  # 130 after Ctrl-C, 143 after SIGTERM
     assert "interrupted; stopping every task" in output
     assert processes_with(marker) == []
 
@@ -199,3 +199,39 @@ def test_with_parameter_servers_a_worker_failure_is_left_to_the_chief(tmp_path):
         in result.stdout
     assert "[chief:0] chief finished" in result.stdout
     assert processes_with(marker) == []
+
+
+SAVES_THEN_EXITS_143 = """
+import json, os, sys, time
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+if index == 1:
+    time.sleep(2)   # still saving when worker 0 is done
+    open(os.path.join(os.getcwd(), "saved-1"), "w").close()
+sys.exit(143)
+"""
+
+
+def test_a_task_exiting_143_gives_the_others_time_to_save(tmp_path):
+    result = run_command([TFDIST, "launch", "-n", "2", "--", *python(SAVES_THEN_EXITS_143,
+                                                                   uuid.uuid4().hex)],
+                         cwd=tmp_path, timeout=60)
+    assert result.returncode == 143
+    assert "worker:0 exited with status 143 (saved for a restart)" in result.stdout
+    assert (tmp_path / "saved-1").exists()  # worker 1 was not stopped in its save
+
+
+KILLED = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+
+
+def test_a_task_killed_by_a_signal_ends_the_group_with_128_plus_the_signal(tmp_path):
+    result = run_command([TFDIST, "launch", "-n", "1", "--", *python(KILLED, "x")],
+                         cwd=tmp_path, timeout=60)
+    assert result.returncode == 137
+    assert "worker:0 exited with status 137" in result.stdout
+
+
+def test_a_bad_grace_period_is_one_line(tmp_path):
+    result = run_command([TFDIST, "launch", "-n", "1", "--grace_seconds", "0", "--", "true"],
+                         cwd=tmp_path)
+    assert result.returncode == 2
+    assert "--grace_seconds must be > 0" in result.stderr

@@ -84,3 +84,50 @@ def test_threads_after_the_runtime_started_is_a_clear_error():
     current = tf.config.threading.get_inter_op_parallelism_threads()
     with pytest.raises(ConfigError, match="threads.inter_op=.*runtime has already started"):
         Runner(load_config(overrides={"strategy": "one_device", "threads.inter_op": current + 3}))
+
+
+def non_loopback_address():
+    """An address of this machine's own that is not loopback, or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # UDP: picks the outgoing interface, sends nothing
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trusted", [False, True])
+def test_a_cluster_beyond_loopback_warns_unless_the_network_is_trusted(trusted, tmp_path):
+    import json
+    import sys
+
+    from tfdist.launch import free_ports
+    from tests.conftest import run_command
+
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no network interface besides loopback")
+    tf_config = {"cluster": {"worker": [f"{address}:{free_ports(1)[0]}"]},
+                 "task": {"type": "worker", "index": 0}}
+    code = ("import tfdist; tfdist.Runner(tfdist.load_config(overrides={"
+            f"'strategy': 'multi_worker', 'trusted_network': {trusted}}}))")
+    result = run_command([sys.executable, "-c", code], cwd=tmp_path,
+                         env={"TF_CONFIG": json.dumps(tf_config)}, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    warned = "gRPC servers run whatever any caller sends, without authentication"
+    assert (warned in result.stderr) is not trusted
+    assert (f"{address}:" in result.stderr) is not trusted
+
+
+@pytest.mark.parametrize("host, loopback", [
+    ("127.0.0.1", True), ("127.0.1.1", True), ("localhost", True), ("[::1]", True),
+    ("10.0.0.7", False), ("192.0.2.2", False), ("no-such-host.invalid", False)])
+def test_loopback_is_told_by_address_and_name(host, loopback):
+    from tfdist.cluster import beyond_loopback, is_loopback
+
+    assert is_loopback(host) is loopback
+    assert beyond_loopback([f"{host}:2222"]) == ([] if loopback else [f"{host}:2222"])
