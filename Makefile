@@ -29,6 +29,7 @@ bench: setup
 	$(BIN)/python benchmarks/allreduce.py
 	$(BIN)/python benchmarks/accumulation.py
 	$(BIN)/python benchmarks/parameter_server.py
+	$(BIN)/python benchmarks/checkpoint.py
 
 clean:
 	rm -rf $(VENV) tfdist_output benchmarks/results .pytest_cache
