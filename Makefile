@@ -8,7 +8,13 @@ STAMP := $(VENV)/.setup-$(TF_BUILD)
 # A machine without GPUs mirrors across 2 logical CPU devices; on GPUs: make demo DEMO_FLAGS=
 DEMO_FLAGS ?= --set mirrored.cpu_replicas=2
 
-.PHONY: setup demo test bench clean
+# make test-compat KERAS=3.x: the suite against another Keras release, put ahead of the
+# installed one on PYTHONPATH (processes the tests start inherit it). PYTEST_ARGS narrows it.
+KERAS ?=
+PYTEST_ARGS ?=
+COMPAT := .compat/keras-$(KERAS)
+
+.PHONY: setup demo test test-fast test-compat bench clean
 
 setup: $(STAMP)
 
@@ -19,8 +25,18 @@ $(STAMP): pyproject.toml scripts/setup.sh scripts/install_horovod.sh
 demo: setup
 	$(BIN)/tfdist train --config strategies/mirrored.yaml $(DEMO_FLAGS)
 
+# Everything, as CI runs it; a missing mpirun or Horovod fails rather than skips.
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --require-all
+
+# The unit tier: no process started, nothing trained for long (under 2 minutes).
+test-fast: setup
+	$(BIN)/python -m pytest -m "not multiprocess and not slow and not benchmark"
+
+test-compat: setup
+	@test -n "$(KERAS)" || { echo "usage: make test-compat KERAS=3.x [PYTEST_ARGS=...]" >&2; exit 2; }
+	$(BIN)/python -m pip install -q --no-deps --target $(COMPAT) "keras==$(KERAS)"
+	PYTHONPATH=$(CURDIR)/$(COMPAT) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
@@ -32,4 +48,4 @@ bench: setup
 	$(BIN)/python benchmarks/checkpoint.py
 
 clean:
-	rm -rf $(VENV) tfdist_output benchmarks/results .pytest_cache
+	rm -rf $(VENV) .compat tfdist_output benchmarks/results .pytest_cache

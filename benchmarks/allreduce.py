@@ -160,7 +160,7 @@ def main() -> None:
     if args.horovod_rank:
         horovod_rank(args.repeats)
         return
-    from tfdist.launch import launch, task_output
+    from tfdist.app.launch import launch, task_output
 
     output = io.StringIO()
     status = launch([sys.executable, os.path.abspath(__file__), "--worker",

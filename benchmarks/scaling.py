@@ -75,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_group(workers: int, args: argparse.Namespace) -> dict:
-    from tfdist.launch import launch, task_output
+    from tfdist.app.launch import launch, task_output
 
     output = io.StringIO()
     status = launch([sys.executable, os.path.abspath(__file__), "--worker",

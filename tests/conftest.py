@@ -1,9 +1,19 @@
-"""Shared test set-up: two logical CPU devices, clean Keras state, subprocess helpers."""
+"""Shared test set-up: two logical CPU devices, clean Keras state, subprocess helpers, and
+the markers' skips.
+
+Markers (setup.cfg): `multiprocess` (starts processes), `slow` (trains for seconds in this
+process), `benchmark` (runs a benchmark), `gpu`, `requires_mpi`, `requires_horovod`.
+`make test-fast` runs the rest: the unit tier. A test that needs what is missing here
+(a GPU, mpirun, Horovod) is skipped with the reason, unless `--require-all` (which
+`make test` passes) turns a missing mpirun or Horovod into a failure.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,29 +35,66 @@ def pytest_configure(config):
     split_cpu(2)
 
 
+def pytest_report_header(config):
+    return (f"tensorflow {tf.__version__}, keras {keras.__version__} from "
+            f"{Path(keras.__file__).parent}")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--require-all", action="store_true",
+                     help="fail, rather than skip, tests whose mpirun or Horovod is missing")
+
+
+def _missing() -> dict[str, str]:
+    """Marker -> why its tests cannot run here (only for what is missing)."""
+    missing = {}
+    if not tf.config.list_physical_devices("GPU"):
+        missing["gpu"] = "needs a GPU; none found"
+    if shutil.which("mpirun") is None:
+        missing["requires_mpi"] = "needs Open MPI's mpirun on PATH (apt install openmpi-bin)"
+    if importlib.util.find_spec("horovod") is None:
+        missing["requires_horovod"] = ("needs Horovod (scripts/install_horovod.sh; make setup "
+                                       "runs it)")
+    return missing
+
+
 def pytest_collection_modifyitems(config, items):
-    if tf.config.list_physical_devices("GPU"):
-        return
-    skip = pytest.mark.skip(reason="needs a GPU; none found")
+    missing = _missing()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, reason in missing.items():
+            if marker not in item.keywords:
+                continue
+            if marker != "gpu" and config.getoption("--require-all"):
+                raise pytest.UsageError(f"--require-all: {item.nodeid} {reason}")
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)
 def clean_keras_state():
     """Each test starts and ends with Keras's default dtype policy and a fresh session."""
+    # Without Keras's gc.collect (0.1-0.3 s a call here, twice a test); Python's own
+    # collector still runs.
     policy = keras.config.dtype_policy()
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     yield
     keras.config.set_dtype_policy(policy)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
+
+
+def mpirun(*args: str, processes: int = 2) -> list[str]:
+    """The `mpirun` command line for `processes` local ranks running `args`."""
+    # Open MPI refuses to start as root unless told; containers and CI often are root.
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [shutil.which("mpirun") or "mpirun", *root, "--oversubscribe", "-np", str(processes),
+            *args]
 
 
 def run_command(args: list[str], *, cwd: Path, env: dict[str, str] | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess:
-    """Runs a command with this interpreter's environment (plus `env`), capturing text."""
-    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    """Runs a command with this interpreter's environment (plus `env`; a None value
+    unsets a variable), capturing text."""
+    merged = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    full_env = {name: value for name, value in merged.items() if value is not None}
     return subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 

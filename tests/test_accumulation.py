@@ -11,30 +11,18 @@ import pytest
 import tensorflow as tf
 
 import tfdist
+from tests.reference import examples as reference_examples
+from tests.reference import (TOLERANCE, initial_weights, largest_difference, make_model,
+                             make_optimizer)
 from tfdist.accumulation import AccumulatingOptimizer
 
 EXAMPLES, MICRO_BATCH, STEPS = 256, 16, 4  # 16 micro-batches, 4 updates per epoch
-TOLERANCE = 1e-5
 
 
 def examples(inf_at_micro_batch=None):
-    rng = np.random.RandomState(0)
-    features = rng.randn(EXAMPLES, 8).astype("float32")
-    labels = rng.randint(0, 3, EXAMPLES).astype("int32")
-    if inf_at_micro_batch is not None:  # the last row: the second replica's half
-        features[(inf_at_micro_batch + 1) * MICRO_BATCH - 1, 0] = np.inf
-    return tf.data.Dataset.from_tensor_slices((features, labels))
-
-
-def make_model():
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                             keras.layers.Dense(3),
-                             keras.layers.Activation("softmax", dtype="float32")])
-
-
-def initial_weights():
-    keras.utils.set_random_seed(11)
-    return make_model().get_weights()
+    inf_at = None if inf_at_micro_batch is None else (inf_at_micro_batch + 1) * MICRO_BATCH - 1
+    # The last row of a micro-batch: the second replica's half under mirrored.
+    return tf.data.Dataset.from_tensor_slices(reference_examples(EXAMPLES, inf_at=inf_at))
 
 
 def build(strategy, steps, optimizer, precision="float32", start=None):
@@ -47,7 +35,7 @@ def build(strategy, steps, optimizer, precision="float32", start=None):
     with runner.scope():
         model = make_model()
         model.set_weights(initial_weights() if start is None else start)
-        made = keras.optimizers.SGD(0.1) if optimizer == "sgd" else keras.optimizers.Adam(0.01)
+        made = make_optimizer(optimizer)
         model.compile(runner.optimizer(made), "sparse_categorical_crossentropy")
     return runner, model
 
@@ -58,12 +46,12 @@ def trained(strategy, steps, batch, optimizer, epochs=2, **kwargs):
     return model
 
 
-def max_difference(first, second):
-    return max(float(np.max(np.abs(a - b))) for a, b in zip(first, second))
+max_difference = largest_difference
 
 
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.slow
 def test_k_micro_batches_equal_one_batch_k_times_larger(strategy, optimizer):
     reference = trained("one_device", 1, STEPS * MICRO_BATCH, optimizer)
     accumulated = trained(strategy, STEPS, MICRO_BATCH, optimizer)
@@ -97,6 +85,7 @@ def test_one_cross_replica_reduction_per_update(steps):
 
 
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+@pytest.mark.slow
 def test_mixed_float16_inf_in_one_micro_batch_skips_its_whole_cycle(strategy):
     runner, model = build(strategy, STEPS, "sgd", precision="mixed_float16")
     model.fit(runner.dataset(examples(inf_at_micro_batch=5), MICRO_BATCH), epochs=1, verbose=0)
@@ -114,6 +103,7 @@ def test_mixed_float16_inf_in_one_micro_batch_skips_its_whole_cycle(strategy):
 
 
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+@pytest.mark.slow
 def test_a_resume_in_the_middle_of_a_cycle_equals_no_interruption(strategy, tmp_path):
     uninterrupted = trained(strategy, STEPS, MICRO_BATCH, "adam", epochs=1)
     runner, model = build(strategy, STEPS, "adam")
@@ -166,6 +156,7 @@ def test_steps_must_be_a_positive_integer():
         tfdist.load_config(overrides={"accumulation_steps": 0})
 
 
+@pytest.mark.multiprocess
 def test_tfdist_train_reports_the_micro_and_the_effective_batch(tmp_path):
     from tests.conftest import TFDIST, last_json_line, run_command
 
@@ -179,6 +170,7 @@ def test_tfdist_train_reports_the_micro_and_the_effective_batch(tmp_path):
     assert summary["accuracy"] > 0.5
 
 
+@pytest.mark.slow
 def test_the_update_decided_in_replica_context_without_a_strategy():
     # With no strategy in scope TensorFlow needs no merge call, so the cycle's update is
     # decided by a cond in replica context: the path XLA-compiled steps on GPUs take

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -24,8 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.adapters.test_horovod import mpirun
-from tests.conftest import REPO, TFDIST, run_command
+from tests.conftest import REPO, TFDIST, mpirun, run_command
 
 SCRIPT = str(REPO / "tests" / "scripts" / "resumable_training.py")
 HOROVODRUN = str(REPO / ".venv" / "bin" / "horovodrun")
@@ -33,10 +31,6 @@ STEPS, EPOCHS = 12, 3
 IN_PROCESS, ACROSS_PROCESSES = 1e-6, 1e-5
 TASKS = {"one_device": ["main"], "mirrored": ["main"], "multi_worker": ["worker0", "worker1"],
          "horovod": ["rank0", "rank1"]}
-
-requires_mpi = pytest.mark.skipif(shutil.which("mpirun") is None,
-                                  reason="needs Open MPI's mpirun (make setup installs it)")
-
 
 # --- running the script ---------------------------------------------------------------------
 
@@ -162,8 +156,8 @@ def scratch_folders():
 # --- crashes ------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored", "multi_worker"])
+@pytest.mark.multiprocess
 def test_sigkill_mid_epoch_resumes_at_the_step_after_the_checkpoint(strategy, reference,
                                                                    tmp_path):
     # SIGKILL at step 6 of the second epoch; the last checkpoint is at its step 4.
@@ -180,7 +174,7 @@ def test_sigkill_mid_epoch_resumes_at_the_step_after_the_checkpoint(strategy, re
                          ACROSS_PROCESSES if strategy == "multi_worker" else IN_PROCESS)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_second_crash_right_after_the_resume_resumes_after_the_newer_checkpoint(
         reference, tmp_path):
     # The first start dies at step 6, the second at step 8 (after saving step 8).
@@ -192,7 +186,7 @@ def test_a_second_crash_right_after_the_resume_resumes_after_the_newer_checkpoin
     assert_same_training(tmp_path, reference("one_device"), ["main"], IN_PROCESS)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_kill_inside_a_save_and_a_torn_newest_checkpoint_fall_back(reference, tmp_path):
     # Killed inside the save of step 20 (epoch 2, step 8): its files are written, but the
     # folder's state does not name them yet. The restart resumes from step 16.
@@ -211,7 +205,7 @@ def test_a_kill_inside_a_save_and_a_torn_newest_checkpoint_fall_back(reference, 
     assert_same_training(tmp_path, reference("one_device"), ["main"], IN_PROCESS)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_keras_backup_and_restore_replays_the_interrupted_epoch(reference, tmp_path):
     # The bare stack on the same scenario: Keras 3's own callback saves every 4 steps but
     # restarts the epoch from its first batch, on weights that have seen its first 4.
@@ -226,8 +220,8 @@ def test_keras_backup_and_restore_replays_the_interrupted_epoch(reference, tmp_p
 # --- preemption -------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("signalled", ["worker1", "worker0"])
+@pytest.mark.multiprocess
 def test_sigterm_to_one_worker_stops_both_at_one_step_and_resumes(signalled, reference,
                                                                   tmp_path):
     # Accumulation 2: 24 micro-batches per epoch, an update every 2. The signal at the end
@@ -257,9 +251,10 @@ def test_sigterm_to_one_worker_stops_both_at_one_step_and_resumes(signalled, ref
         "checkpoint", ".index", ".data-00000-of-00001"}
 
 
-@requires_mpi
-@pytest.mark.slow
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
 @pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+@pytest.mark.multiprocess
 def test_sigterm_then_a_crash_mid_cycle_under_horovod_resume_exactly(launcher, reference,
                                                                      tmp_path):
     # Accumulation 2 (an update every 2 of the 24 micro-batches of an epoch), a save every
@@ -278,7 +273,7 @@ def test_sigterm_then_a_crash_mid_cycle_under_horovod_resume_exactly(launcher, r
                          TASKS["horovod"], ACROSS_PROCESSES)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_parameter_servers_sigterm_to_the_chief_resumes_with_exact_iterations(tmp_path):
     command = script(tmp_path, "parameter_server", "--sigterm", "chief0@1:6")
     result = launch(tmp_path, *command, ps=1, restarts=1)
@@ -290,7 +285,7 @@ def test_parameter_servers_sigterm_to_the_chief_resumes_with_exact_iterations(tm
     assert len(report["history"]["loss"]) == 2  # epochs 2 and 3
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_signal_in_the_first_trace_in_validation_and_at_the_last_step(reference, tmp_path):
     # Three starts end by SIGTERM: during the first trace (to worker 1), during epoch 2's
     # validation (to worker 0) and at the very last step (to worker 1). The fourth start
@@ -308,7 +303,7 @@ def test_a_signal_in_the_first_trace_in_validation_and_at_the_last_step(referenc
                          ACROSS_PROCESSES)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_three_sigterms_at_seeded_random_steps_over_five_epochs(reference, tmp_path):
     import random
 
@@ -326,7 +321,7 @@ def test_three_sigterms_at_seeded_random_steps_over_five_epochs(reference, tmp_p
 # --- no hangs -------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_stuck_peer_ends_the_run_within_the_default_timeout(tmp_path):
     from tfdist.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
 
@@ -366,8 +361,9 @@ def test_a_stuck_peer_ends_the_run_within_the_default_timeout(tmp_path):
 # --- Horovod elastic ------------------------------------------------------------------------
 
 
-@requires_mpi
-@pytest.mark.slow
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_horovod_elastic_goes_on_with_the_rank_left(reference, tmp_path):
     # Two "hosts" on this machine, one slot each: the rank on 127.0.0.1 is SIGKILLed at
     # step 6 of epoch 2; Horovod's driver drops that host, and rank 0 resumes alone from
@@ -393,11 +389,11 @@ def test_horovod_elastic_goes_on_with_the_rank_left(reference, tmp_path):
     assert all(r["ids"][0] == expected[(r["epoch"], r["step"])] for r in wholes)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy, option", [
     # (Keras 3 fails steps_per_execution > 1 under MirroredStrategy, keras-team/keras#19246.)
     ("one_device", ["--steps_per_execution", "3"]),
     ("one_device", ["--precision", "mixed_float16"])])
+@pytest.mark.multiprocess
 def test_a_resume_is_exact_with_steps_per_execution_and_loss_scaling(strategy, option,
                                                                      reference, tmp_path):
     # 3 steps per execution: saves fall at the first execution end at or after each 4th

@@ -142,8 +142,8 @@ def test_python_raises_one_line_config_error(case, tmp_path):
     assert "Received" in message or "found no TPU" in message or "YAML" in message
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.multiprocess
 def test_cli_exits_2_with_one_error_line(case, tmp_path):
     _write_files(case, tmp_path)
     # A short run, should a case not fail; the case's own flags come last and win.

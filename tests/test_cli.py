@@ -7,18 +7,25 @@ import pytest
 import yaml
 
 import tfdist
+from tfdist.app.quiet import is_tensorflow_log_line
 from tests.conftest import REPO, TFDIST, last_json_line, run_command
 
 CONTRACT_KEYS = {"strategy", "replicas", "precision", "accumulation_steps", "epochs",
                  "final_loss", "accuracy", "examples_per_sec"}
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_train_as_make_demo_runs_it(tmp_path):
+    # As a user runs it: TF_CPP_MIN_LOG_LEVEL unset.
     result = run_command([TFDIST, "train", f"--config={REPO / 'strategies/mirrored.yaml'}",
                           "--set", "mirrored.cpu_replicas=2", "--set", "train.epochs=3",
-                          "--set", "train.output_dir=out"], cwd=tmp_path)
+                          "--set", "train.output_dir=out"], cwd=tmp_path,
+                         env={"TF_CPP_MIN_LOG_LEVEL": None})
     assert result.returncode == 0, result.stderr[-3000:]
+    # Quiet: the choice line on stderr; the progress bar and the JSON on stdout.
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [
+        "tfdist: strategy mirrored (2 replicas; requested), precision float32 (requested)"]
+    assert not [line for line in result.stdout.splitlines() if is_tensorflow_log_line(line)]
     summary = last_json_line(result.stdout)
     assert CONTRACT_KEYS <= set(summary)
     assert summary["strategy"] == "mirrored"
@@ -37,11 +44,14 @@ def test_train_as_make_demo_runs_it(tmp_path):
         summary["accuracy"]
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_train_auto_with_bfloat16(tmp_path):
-    result = run_command([TFDIST, "train", "--strategy=auto", "--precision=bf16",
-                          "--set", "train.epochs=2"], cwd=tmp_path)
+    result = run_command([TFDIST, "train", "--verbose", "--strategy=auto", "--precision=bf16",
+                          "--set", "train.epochs=2"], cwd=tmp_path,
+                         env={"TF_CPP_MIN_LOG_LEVEL": None})
     assert result.returncode == 0, result.stderr[-3000:]
+    # --verbose: TensorFlow's own start-up lines are shown.
+    assert [line for line in result.stderr.splitlines() if is_tensorflow_log_line(line)]
     summary = last_json_line(result.stdout)
     assert summary["strategy"] in {"one_device", "mirrored"}  # no TPU or cluster here
     assert f"strategy {summary['strategy']} (1 replica; auto: " in result.stderr  # and why
@@ -50,7 +60,7 @@ def test_train_auto_with_bfloat16(tmp_path):
     assert written["strategy"] == summary["strategy"]  # auto is resolved in the saved config
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_env_reports_versions_devices_and_the_auto_choice(tmp_path):
     result = run_command([TFDIST, "env"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -61,9 +71,15 @@ def test_env_reports_versions_devices_and_the_auto_choice(tmp_path):
     assert report["auto"]["strategy"] in {s.value for s in tfdist.Strategy}
     assert report["auto"]["why"]
     assert "mirrored" in report["strategies_available"]
+    patches = {patch["name"]: patch for patch in report["patches"]["all"]}
+    assert report["patches"]["active"] == []  # nothing is applied until an adapter is built
+    assert patches["keras.variables.atomic_assign_add"]["applied_by"] == ["parameter_server"]
+    assert patches["keras.trainer.multi_worker_symbolic_build"]["upstream"].startswith(
+        "keras-team/keras#20585")
+    assert all(patch["bug_present"] and patch["applied_by"] for patch in patches.values())
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_env_reads_the_launcher_environment(tmp_path):
     tf_config = {"cluster": {"worker": ["localhost:1", "localhost:2"]},
                  "task": {"type": "worker", "index": 1}}
@@ -79,6 +95,7 @@ def test_env_reads_the_launcher_environment(tmp_path):
     (["fly"], 2, "tfdist: error: unknown command 'fly'"),
     (["train", "extra"], 2, "takes flags only"),
 ])
+@pytest.mark.multiprocess
 def test_usage(args, status, fragment, tmp_path):
     result = run_command([TFDIST, *args], cwd=tmp_path)
     assert result.returncode == status
@@ -86,7 +103,7 @@ def test_usage(args, status, fragment, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_train_help_lists_tfdist_flags(tmp_path):
     result = run_command([TFDIST, "train", "--help"], cwd=tmp_path)
     assert result.returncode == 0
@@ -95,7 +112,7 @@ def test_train_help_lists_tfdist_flags(tmp_path):
     assert "mirrored.cpu_replicas (default: 0)" in result.stdout  # every key --set accepts
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_example_script_trains_a_users_model(tmp_path):
     # BatchNormalization, Dropout, validation_data and evaluate, under 2 replicas.
     result = run_command([sys.executable, str(REPO / "examples" / "keras_fit.py"),
@@ -108,7 +125,7 @@ def test_example_script_trains_a_users_model(tmp_path):
     assert summary["evaluate_accuracy"] > 0.5
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_example_script_reports_bad_input_without_a_traceback(tmp_path):
     result = run_command([sys.executable, str(REPO / "examples" / "keras_fit.py"),
                           "--strategy=mirored"], cwd=tmp_path)
@@ -118,7 +135,7 @@ def test_example_script_reports_bad_input_without_a_traceback(tmp_path):
 
 
 def test_a_lost_cluster_is_one_line_with_status_1(capsys):
-    from tfdist import cli
+    from tfdist.app import cli
     from tfdist.errors import ClusterError
 
     def lose_a_server():
@@ -131,7 +148,7 @@ def test_a_lost_cluster_is_one_line_with_status_1(capsys):
                                        "stopped answering\n")
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_train_with_a_checkpoint_dir_resumes_and_a_finished_run_trains_no_step(tmp_path):
     command = [TFDIST, "train", "--strategy", "one_device", "--checkpoint_dir", "ckpt",
                "--set", "train.epochs=2", "--set", "seed=3"]
@@ -154,7 +171,7 @@ def test_train_with_a_checkpoint_dir_resumes_and_a_finished_run_trains_no_step(t
 def test_a_lost_or_stuck_peer_is_one_line(error, words):
     import tensorflow as tf
 
-    from tfdist.cli import _peer_failure
+    from tfdist.app.cli import _peer_failure
 
     message = {"DeadlineExceededError": "Collective has timed out during execution.",
                "UnknownError": "Horovod has been shut down. This was caused by an exception"}

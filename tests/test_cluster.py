@@ -103,7 +103,6 @@ def test_real_process_environment_is_read():
     assert isinstance(detect_cluster(), ClusterInfo)
 
 
-
 def test_slurm_job_step_lays_out_one_worker_per_task():
     env = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
            "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "node[02,01]",

@@ -5,27 +5,19 @@ tests are in tests/adapters/test_horovod.py.
 
 import json
 import os
-import re
-import shutil
 import sys
 
 import pytest
 
-from tests.conftest import REPO, TFDIST, run_command
+from tests.conftest import REPO, TFDIST, mpirun, run_command
 
-pytestmark = pytest.mark.slow
 
 SCRIPT = str(REPO / "tests" / "scripts" / "horovod_collectives.py")
 EXPECTED = ("sum=[3.0,3.0,3.0,3.0] average=[0.5,0.5,0.5]/[1.0,1.0,1.0,1.0] "
             "broadcast=[10.0]")
 
 
-def mpirun(*args):
-    # Open MPI refuses to start as root unless told; containers and CI often are root.
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    return [shutil.which("mpirun"), *root, "--oversubscribe", *args]
-
-
+@pytest.mark.requires_horovod
 def test_built_with_mpi_and_gloo():
     import horovod
     import horovod.tensorflow as hvd
@@ -34,28 +26,35 @@ def test_built_with_mpi_and_gloo():
     assert hvd.mpi_built() and hvd.gloo_built()
 
 
-def _check_two_ranks(result):
+def _check_two_ranks(result, out_dir):
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    # Launchers prefix and may interleave the ranks' lines, so read the reports wherever they are.
-    reports = sorted(re.findall(r"rank=(\d) size=(\d) (sum=\S+ average=\S+ broadcast=\[[\d., ]*\])",
-                                result.stdout))
-    assert [(rank, size) for rank, size, _ in reports] == [("0", "2"), ("1", "2")], result.stdout
-    assert all(values == EXPECTED for _, _, values in reports), reports
+    # Each rank wrote its own file: launchers may interleave the ranks' stdout.
+    reports = [path.read_text() for path in sorted(out_dir.glob("rank*.txt"))]
+    assert reports == [f"rank={rank} size=2 {EXPECTED}" for rank in (0, 1)], result.stdout
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_collectives_under_mpirun(tmp_path):
-    _check_two_ranks(run_command(mpirun("-np", "2", sys.executable, SCRIPT), cwd=tmp_path))
+    _check_two_ranks(run_command(mpirun(sys.executable, SCRIPT, str(tmp_path)), cwd=tmp_path),
+                     tmp_path)
 
 
 @pytest.mark.parametrize("controller", ["--gloo", "--mpi"])
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_collectives_under_horovodrun(controller, tmp_path):
     horovodrun = str(REPO / ".venv" / "bin" / "horovodrun")
     extra = ["--mpi-args=--allow-run-as-root --oversubscribe"] if (
         controller == "--mpi" and os.geteuid() == 0) else []
     _check_two_ranks(run_command([horovodrun, controller, *extra, "-np", "2", "-H", "localhost:2",
-                                  sys.executable, SCRIPT], cwd=tmp_path))
+                                  sys.executable, SCRIPT, str(tmp_path)], cwd=tmp_path), tmp_path)
 
 
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_tfdist_env_reports_the_build(tmp_path):
     report = json.loads(run_command([TFDIST, "env"], cwd=tmp_path).stdout)
     assert report["horovod"] == {"installed": True, "version": "0.28.1", "mpi": True,

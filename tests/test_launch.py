@@ -43,6 +43,7 @@ print(json.dumps({"task": config["task"], "cluster": config["cluster"],
 """
 
 
+@pytest.mark.multiprocess
 def test_each_worker_gets_its_tf_config_and_the_environment(tmp_path):
     marker = uuid.uuid4().hex
     result = run_command([TFDIST, "launch", "-n", "3", "--", *python(REPORT, marker)],
@@ -72,6 +73,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.multiprocess
 def test_a_failing_worker_stops_the_group_fast_and_leaves_no_orphans(tmp_path):
     marker = uuid.uuid4().hex
     started = time.monotonic()
@@ -95,6 +97,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.multiprocess
 def test_with_parameter_servers_the_chief_decides_and_servers_are_stopped(tmp_path):
     marker = uuid.uuid4().hex
     result = run_command([TFDIST, "launch", "-n", "2", "--ps", "1", "--",
@@ -116,6 +119,7 @@ print("second run")
 """
 
 
+@pytest.mark.multiprocess
 def test_max_restarts_restarts_the_whole_group(tmp_path):
     marker = uuid.uuid4().hex
     result = run_command([TFDIST, "launch", "-n", "2", "--max_restarts", "1", "--",
@@ -125,6 +129,7 @@ def test_max_restarts_restarts_the_whole_group(tmp_path):
     assert "[worker:0] second run" in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_without_restarts_a_failure_is_final(tmp_path):
     result = run_command([TFDIST, "launch", "-n", "2", "--",
                           *python(FAIL_FIRST_TIME, uuid.uuid4().hex)], cwd=tmp_path, timeout=60)
@@ -143,6 +148,7 @@ def _ignore_sigint():
     (signal.SIGINT, False), (signal.SIGTERM, False),
     # As a background job of a non-interactive shell starts it (CI, nohup scripts).
     (signal.SIGINT, True)])
+@pytest.mark.multiprocess
 def test_interrupting_the_launcher_stops_every_child(signum, started_ignoring_sigint, tmp_path):
     marker = uuid.uuid4().hex
     launcher = subprocess.Popen([TFDIST, "launch", "-n", "2", "--", *python(SLEEP, marker)],
@@ -170,6 +176,7 @@ def test_interrupting_the_launcher_stops_every_child(signum, started_ignoring_si
     (["--ps", "-1", "-n", "1", "--", "true"], "--ps must be an integer >= 0"),
     (["-n", "1", "stray", "--", "true"], "unexpected: stray"),
 ])
+@pytest.mark.multiprocess
 def test_bad_input(args, fragment, tmp_path):
     result = run_command([TFDIST, "launch", *args], cwd=tmp_path)
     assert result.returncode == 2
@@ -190,6 +197,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.multiprocess
 def test_with_parameter_servers_a_worker_failure_is_left_to_the_chief(tmp_path):
     marker = uuid.uuid4().hex
     result = run_command([TFDIST, "launch", "-n", "2", "--ps", "1", "--",
@@ -211,6 +219,7 @@ sys.exit(143)
 """
 
 
+@pytest.mark.multiprocess
 def test_a_task_exiting_143_gives_the_others_time_to_save(tmp_path):
     result = run_command([TFDIST, "launch", "-n", "2", "--", *python(SAVES_THEN_EXITS_143,
                                                                    uuid.uuid4().hex)],
@@ -223,6 +232,7 @@ def test_a_task_exiting_143_gives_the_others_time_to_save(tmp_path):
 KILLED = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
 
 
+@pytest.mark.multiprocess
 def test_a_task_killed_by_a_signal_ends_the_group_with_128_plus_the_signal(tmp_path):
     result = run_command([TFDIST, "launch", "-n", "1", "--", *python(KILLED, "x")],
                          cwd=tmp_path, timeout=60)
@@ -230,8 +240,43 @@ def test_a_task_killed_by_a_signal_ends_the_group_with_128_plus_the_signal(tmp_p
     assert "worker:0 exited with status 137" in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_a_bad_grace_period_is_one_line(tmp_path):
     result = run_command([TFDIST, "launch", "-n", "1", "--grace_seconds", "0", "--", "true"],
                          cwd=tmp_path)
     assert result.returncode == 2
     assert "--grace_seconds must be > 0" in result.stderr
+
+
+TENSORFLOW_LINES = '''
+import sys
+print("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR")
+print("I0000 00:00:1795379615.512060    9690 port.cc:153] oneDNN custom operations are on.")
+print("W0000 00:00:1795379617.205788     700 auto_shard.cc:559] The `assert_cardinality`")
+print("E0000 00:00:1795379617.205788     700 grpc_server.cc:12] a real error")
+print("the user's own line")
+'''
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+@pytest.mark.multiprocess
+def test_tensorflow_start_up_lines_are_hidden_unless_verbose(tmp_path, verbose):
+    result = run_command([TFDIST, "launch", *(["--verbose"] if verbose else []), "-n", "1",
+                          "--", sys.executable, "-c", TENSORFLOW_LINES], cwd=tmp_path,
+                         env={"TF_CPP_MIN_LOG_LEVEL": None})
+    assert result.returncode == 0, result.stdout
+    lines = [line.removeprefix("[worker:0] ") for line in result.stdout.splitlines()
+             if line.startswith("[worker:0] ")]
+    shown = TENSORFLOW_LINES.count("print(") if verbose else 2  # errors are always shown
+    assert len(lines) == shown, lines
+    assert lines[-2:] == ["E0000 00:00:1795379617.205788     700 grpc_server.cc:12] a real "
+                          "error", "the user's own line"]
+
+
+@pytest.mark.multiprocess
+def test_a_log_level_the_user_set_is_left_alone(tmp_path):
+    result = run_command([TFDIST, "launch", "-n", "1", "--", sys.executable, "-c",
+                          "import os; print('level', os.environ['TF_CPP_MIN_LOG_LEVEL'])\n"
+                          + TENSORFLOW_LINES], cwd=tmp_path, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert "[worker:0] level 0" in result.stdout
+    assert "port.cc:153] oneDNN" in result.stdout

@@ -3,7 +3,7 @@
 import keras
 import pytest
 
-from tfdist import train
+from tfdist.app import train
 from tfdist.cluster import ClusterInfo, GpuInfo, TpuInfo
 from tfdist.config import Precision, Strategy, load_config
 from tfdist.errors import ConfigError
@@ -64,8 +64,8 @@ def test_runner_scope_sets_compute_dtype_keeps_float32_variables_and_restores(
         precision == "mixed_float16")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+@pytest.mark.slow
 def test_mixed_policies_train_within_two_points_of_float32(strategy, tmp_path):
     accuracy = {}
     for precision in ("float32", "mixed_float16", "mixed_bfloat16"):

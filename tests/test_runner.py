@@ -1,5 +1,7 @@
 """The Runner: auto choice, scope, datasets, threads, the resolved config."""
 
+import logging
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -99,13 +101,13 @@ def non_loopback_address():
     return None if address.startswith("127.") else address
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("trusted", [False, True])
+@pytest.mark.multiprocess
 def test_a_cluster_beyond_loopback_warns_unless_the_network_is_trusted(trusted, tmp_path):
     import json
     import sys
 
-    from tfdist.launch import free_ports
+    from tfdist.app.launch import free_ports
     from tests.conftest import run_command
 
     address = non_loopback_address()
@@ -131,3 +133,29 @@ def test_loopback_is_told_by_address_and_name(host, loopback):
 
     assert is_loopback(host) is loopback
     assert beyond_loopback([f"{host}:2222"]) == ([] if loopback else [f"{host}:2222"])
+
+
+def test_the_runner_names_the_patches_its_strategy_applied(caplog):
+    from absl import logging as absl_logging
+
+    from tfdist import patches
+
+    def runner_log():
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            Runner(load_config(overrides={"strategy": "mirrored", "mirrored.cpu_replicas": 2}))
+        return caplog.text
+
+    patches.undo_all()
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.INFO)
+    try:
+        # mirrored's one patch is in place only while its strategy is built.
+        assert "tfdist: patches active: none" in runner_log()
+        assert patches.active() == []
+        patches.apply(patches.MULTI_WORKER)  # as a multi_worker Runner earlier in the process
+        assert ("tfdist: patches active: keras.trainer.multi_worker_symbolic_build, "
+                "keras.trainer.multi_worker_metric_reduction") in runner_log()
+    finally:
+        absl_logging.set_verbosity(verbosity)
+        patches.undo_all()

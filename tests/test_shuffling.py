@@ -48,7 +48,7 @@ def test_without_set_epoch_each_pass_counts_up_like_reshuffling():
     assert one_pass(dataset) == second
 
 
-@pytest.mark.slow  # starts a process
+@pytest.mark.multiprocess
 def test_the_order_is_the_same_in_a_new_process_and_depends_on_the_seed():
     code = ("import tensorflow as tf; from tfdist.shuffling import EpochShuffle; "
             "s = EpochShuffle(50, seed={seed}); d = s.apply(tf.data.Dataset.range(50)); "

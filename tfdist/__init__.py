@@ -13,13 +13,26 @@ Example:
               callbacks=runner.callbacks())
 """
 
+import importlib
+from typing import Any
+
 from tfdist.cluster import ClusterInfo, detect_cluster
 from tfdist.config import Config, Precision, Strategy, load_config
 from tfdist.errors import ClusterError, ConfigError
-from tfdist.precision import PrecisionPolicy
-from tfdist.runner import Runner
 
 __version__ = "0.1.0"
+
+# Imported on first use: they import TensorFlow, and `import tfdist` alone should not
+# (the `tfdist` command sets TensorFlow's log level before TensorFlow starts).
+_LAZY = {"Runner": "tfdist.runner", "PrecisionPolicy": "tfdist.precision"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
 
 __all__ = [
     "ClusterError",

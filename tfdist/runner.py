@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 from absl import logging
 
-from tfdist import registry
+from tfdist import patches, registry
 from tfdist.cluster import ClusterInfo, beyond_loopback, detect_cluster
 from tfdist.config import Config, Strategy, ThreadsConfig, load_config
 from tfdist.errors import ConfigError
@@ -108,6 +108,7 @@ class Runner:
 
             keras.utils.set_random_seed(config.seed)
         self.strategy = self._adapter.strategy
+        logging.info("tfdist: patches active: %s", ", ".join(patches.active()) or "none")
 
     @classmethod
     def from_flags(cls, flag_values: Any = None) -> "Runner":

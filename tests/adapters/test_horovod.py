@@ -2,8 +2,6 @@
 
 import json
 import os
-import re
-import shutil
 import sys
 
 import keras
@@ -12,18 +10,11 @@ import pytest
 
 import tfdist
 from tfdist.cluster import detect_cluster
-from tests.conftest import REPO, TFDIST, run_command
+from tests.conftest import REPO, TFDIST, mpirun, run_command
 
-pytestmark = pytest.mark.slow
 
 SCRIPT = str(REPO / "tests" / "scripts" / "horovod_training.py")
 TOLERANCE = 1e-5
-
-
-def mpirun(*args):
-    # Open MPI refuses to start as root unless told; containers and CI often are root.
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    return [shutil.which("mpirun"), *root, "--oversubscribe", "-np", "2", *args]
 
 
 def reports(out_dir):
@@ -84,6 +75,9 @@ def trained(request, tmp_path_factory):
     return by_rank, weights_by_rank, start, reference, reference_history
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_every_rank_equals_one_device(trained):
     by_rank, weights_by_rank, start, reference, _ = trained
     assert all((report["iterations"], report["reductions"]) == (20, 20)
@@ -98,6 +92,9 @@ def test_every_rank_equals_one_device(trained):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_accumulating_4_micro_batches_equals_one_device(optimizer, tmp_path):
     # Micro-batches of 8 (4 per rank), 4 per update: the 20 updates of batch 32, and one
     # allreduce per update, not per micro-batch.
@@ -111,6 +108,9 @@ def test_accumulating_4_micro_batches_equals_one_device(optimizer, tmp_path):
         assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_a_cycle_carried_into_the_next_fit_keeps_each_ranks_accumulators(tmp_path):
     # 16 micro-batches of 10 per epoch, 3 per update: the first fit ends 1 micro-batch into
     # a cycle. The broadcast at the second fit's start must leave each rank's partial sums.
@@ -123,6 +123,9 @@ def test_a_cycle_carried_into_the_next_fit_keeps_each_ranks_accumulators(tmp_pat
         assert max_difference(split[rank], whole[rank]) < TOLERANCE
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_accumulation_under_mixed_float16_skips_the_cycle_with_an_inf_on_both_ranks(tmp_path):
     by_rank, weights_by_rank = run_ranks(tmp_path, "--precision=mixed_float16",
                                          "--inf_at_step=3", "--epochs=1",
@@ -133,6 +136,9 @@ def test_accumulation_under_mixed_float16_skips_the_cycle_with_an_inf_on_both_ra
     assert max_difference(weights_by_rank[0], weights_by_rank[1]) == 0.0
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_history_is_the_same_on_every_rank_and_is_the_global_mean(trained):
     by_rank, _, _, _, reference_history = trained
     history, other = by_rank[0]["history"], by_rank[1]["history"]
@@ -146,6 +152,9 @@ def test_history_is_the_same_on_every_rank_and_is_the_global_mean(trained):
 
 
 @pytest.mark.parametrize("setting", ["horovod.op=sum", "horovod.scale_learning_rate=true"])
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_summed_gradients_or_a_scaled_rate_equal_one_device_at_twice_the_rate(setting,
                                                                              tmp_path):
     # With SGD, the sum of 2 ranks' mean gradients, or their mean at twice the rate, is
@@ -158,6 +167,9 @@ def test_summed_gradients_or_a_scaled_rate_equal_one_device_at_twice_the_rate(se
 
 
 @pytest.mark.parametrize("as_dense", ["false", "true"])
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_sparse_embedding_gradients_equal_one_device(as_dense, tmp_path):
     # Embedding gradients are tf.IndexedSlices: allgathered, or allreduced as dense.
     by_rank, weights_by_rank = run_ranks(tmp_path, "--embedding", "--seed_by_rank",
@@ -168,6 +180,9 @@ def test_sparse_embedding_gradients_equal_one_device(as_dense, tmp_path):
         assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_fp16_compression_is_close_to_one_device_but_rounded(tmp_path):
     by_rank, weights_by_rank = run_ranks(tmp_path, "--set=horovod.compression=fp16")
     assert max_difference(weights_by_rank[0], weights_by_rank[1]) == 0.0
@@ -175,6 +190,9 @@ def test_fp16_compression_is_close_to_one_device_but_rounded(tmp_path):
     assert 1e-7 < max_difference(weights_by_rank[0], reference) < 1e-2
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_adasum_trains_the_same_weights_on_every_rank(tmp_path):
     by_rank, weights_by_rank = run_ranks(tmp_path, "--set=horovod.op=adasum")
     assert [by_rank[rank]["iterations"] for rank in (0, 1)] == [20, 20]
@@ -183,6 +201,9 @@ def test_adasum_trains_the_same_weights_on_every_rank(tmp_path):
 
 
 @pytest.mark.parametrize("without, identical", [(None, True), ("broadcast", False)])
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_ranks_seeded_differently_are_identical_after_the_first_step(without, identical,
                                                                      tmp_path):
     args = ["--seed_by_rank", "--steps=1", "--epochs=1"] + (
@@ -198,6 +219,9 @@ def test_ranks_seeded_differently_are_identical_after_the_first_step(without, id
         assert apart > 1e-2  # without the broadcast the ranks keep their own weights
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_mixed_float16_inf_on_one_rank_skips_the_step_on_both(tmp_path):
     by_rank, weights_by_rank = run_ranks(tmp_path, "--precision=mixed_float16",
                                          "--inf_at_step=3", "--epochs=1", "--optimizer=adam")
@@ -208,6 +232,9 @@ def test_mixed_float16_inf_on_one_rank_skips_the_step_on_both(tmp_path):
     assert all(np.all(np.isfinite(array)) for array in weights_by_rank[0])
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_without_agreement_the_rank_that_did_not_skip_waits_alone(tmp_path):
     # Keras's LossScaleOptimizer decides per rank: rank 1 skips step 3, rank 0 enters
     # the allreduce alone and waits for ever. Horovod's stall shutdown makes the hang
@@ -222,6 +249,9 @@ def test_without_agreement_the_rank_that_did_not_skip_waits_alone(tmp_path):
     assert "Horovod has been shut down" in result.stdout + result.stderr
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_bare_horovod_keras_fails_on_keras_3(tmp_path):
     result = run_command(mpirun(sys.executable, SCRIPT, str(tmp_path), "--bare"), cwd=tmp_path)
     assert result.returncode != 0
@@ -236,6 +266,9 @@ def _chief_json(stdout):
 
 @pytest.mark.parametrize("launcher, precision", [
     ("mpirun", "float32"), ("horovodrun", "mixed_bfloat16")])
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_tfdist_train_under_a_launcher(launcher, precision, tmp_path):
     train = [TFDIST, "train", "--strategy=horovod", f"--precision={precision}",
              "--set", "train.epochs=3"]
@@ -253,6 +286,9 @@ def test_tfdist_train_under_a_launcher(launcher, precision, tmp_path):
     assert (tmp_path / "tfdist_output" / "result.json").exists()
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_users_model_with_batchnorm_dropout_validation_and_evaluate(tmp_path):
     result = run_command(mpirun(sys.executable, str(REPO / "examples" / "keras_fit.py"),
                                 "--strategy=horovod", "--epochs=2"), cwd=tmp_path, timeout=120)
@@ -262,10 +298,11 @@ def test_users_model_with_batchnorm_dropout_validation_and_evaluate(tmp_path):
     assert summary["evaluate_accuracy"] > 0.5 and summary["val_accuracy"] > 0.5
 
 
+@pytest.mark.multiprocess
 def test_without_horovod_one_line_says_how_to_install(tmp_path):
     # A None entry in sys.modules makes `import horovod` raise ImportError, as when
     # Horovod is not installed.
-    code = ("import sys; sys.modules['horovod'] = None; from tfdist.cli import main; "
+    code = ("import sys; sys.modules['horovod'] = None; from tfdist.app.cli import main; "
             "main(['tfdist', 'train', '--strategy=horovod'])")
     result = run_command([sys.executable, "-c", code], cwd=tmp_path)
     assert result.returncode == 2
@@ -274,16 +311,23 @@ def test_without_horovod_one_line_says_how_to_install(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_adasum_with_3_ranks_is_one_line(tmp_path):
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    result = run_command([shutil.which("mpirun"), *root, "--oversubscribe", "-np", "3", TFDIST,
-                          "train", "--strategy=horovod", "--set", "horovod.op=adasum"],
-                         cwd=tmp_path)
+    # Each rank's stderr goes to its own file: mpirun may interleave the ranks' output.
+    train = f"{TFDIST} train --strategy=horovod --set horovod.op=adasum"
+    result = run_command(mpirun("sh", "-c", f"{train} 2> stderr$OMPI_COMM_WORLD_RANK.txt",
+                                processes=3), cwd=tmp_path)
     assert result.returncode == 2
-    errors = [line for line in result.stderr.splitlines() if "tfdist: error:" in line]
-    # mpirun stops the other ranks when the first exits, so 1 to 3 of them say it.
-    assert errors and all("power-of-2 number of ranks" in line for line in errors)
-    assert "Traceback" not in result.stdout + result.stderr
+    outputs = [path.read_text() for path in sorted(tmp_path.glob("stderr*.txt"))]
+    said = [[line for line in text.splitlines() if line.startswith("tfdist: error:")]
+            for text in outputs]
+    # mpirun stops the other ranks when the first exits, so 1 to 3 of them say it, once.
+    said = [lines for lines in said if lines]
+    assert said and all(len(lines) == 1 and "power-of-2 number of ranks" in lines[0]
+                        for lines in said), outputs
+    assert not any("Traceback" in text for text in outputs)
 
 
 def test_bad_horovod_options_are_one_line():
@@ -293,10 +337,14 @@ def test_bad_horovod_options_are_one_line():
         tfdist.load_config(overrides={"horovod.op": "mean"})
 
 
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
 def test_a_gloo_run_reports_its_rank_in_the_environment(tmp_path):
     # horovodrun sets HOROVOD_RANK/SIZE; `tfdist env` sees them and auto picks horovod.
+    # Each rank writes its own file: horovodrun interleaves the ranks' output.
     result = run_command([str(REPO / ".venv" / "bin" / "horovodrun"), "--gloo", "-np", "2",
-                          "-H", "localhost:2", TFDIST, "env"], cwd=tmp_path)
+                          "-H", "localhost:2", "sh", "-c",
+                          f"{TFDIST} env > env$HOROVOD_RANK.json"], cwd=tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    choices = re.findall(r'"strategy": "(\w+)"', result.stdout)
-    assert choices == ["horovod", "horovod"], result.stdout[-3000:]
+    reports = [json.loads((tmp_path / f"env{rank}.json").read_text()) for rank in (0, 1)]
+    assert [report["auto"]["strategy"] for report in reports] == ["horovod", "horovod"]

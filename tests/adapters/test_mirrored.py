@@ -104,7 +104,7 @@ for width in (3, 7):
 """
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_bare_stack_fails_on_a_second_mirrored_strategy(tmp_path):
     # In a fresh process: the collision needs two strategies with TensorFlow's keys.
     from tests.conftest import run_command

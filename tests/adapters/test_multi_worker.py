@@ -8,10 +8,10 @@ import pytest
 
 import tfdist
 from tfdist.cluster import ClusterInfo
-from tfdist.launch import task_output
+from tfdist.app.launch import task_output
+from tests import reference
 from tests.conftest import REPO, TFDIST, last_json_line, run_command
 
-pytestmark = pytest.mark.slow
 
 SCRIPT = str(REPO / "tests" / "scripts" / "multi_worker_weights.py")
 TOLERANCE = 1e-5
@@ -34,19 +34,21 @@ def one_device_weights(optimizer):
     import multi_worker_weights as job
     import tensorflow as tf
 
-    start = job.initial_weights()
+    start = reference.initial_weights()
     runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device",
                                                          "precision": "float32"}))
     with runner.scope():
-        model = job.make_model()
+        model = reference.make_model()
         model.set_weights(start)
-        model.compile(runner.optimizer(job.make_optimizer(optimizer)),
+        model.compile(runner.optimizer(reference.make_optimizer(optimizer)),
                       "sparse_categorical_crossentropy")
-    model.fit(runner.dataset(tf.data.Dataset.from_tensor_slices(job.examples()), job.GLOBAL_BATCH),
+    features = tf.data.Dataset.from_tensor_slices(reference.examples(job.EXAMPLES))
+    model.fit(runner.dataset(features, job.GLOBAL_BATCH),
               epochs=job.EPOCHS, shuffle=False, verbose=0)
     return model.get_weights(), start
 
 
+@pytest.mark.multiprocess
 def test_launch_train_multi_worker_reports_two_replicas(tmp_path):
     result = launch([TFDIST, "train", "--strategy=multi_worker", "--set", "train.epochs=2"],
                     tmp_path)
@@ -61,6 +63,7 @@ def test_launch_train_multi_worker_reports_two_replicas(tmp_path):
 
 @pytest.mark.parametrize("cpu_replicas, optimizer, replicas", [
     (0, "sgd", 2), (0, "adam", 2), (2, "sgd", 4)])
+@pytest.mark.multiprocess
 def test_equals_one_device(cpu_replicas, optimizer, replicas, tmp_path):
     out = tmp_path / "weights.npz"
     result = launch([sys.executable, SCRIPT, str(out), f"--cpu_replicas={cpu_replicas}",
@@ -76,6 +79,7 @@ def test_equals_one_device(cpu_replicas, optimizer, replicas, tmp_path):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.multiprocess
 def test_accumulating_4_micro_batches_equals_one_device(optimizer, tmp_path):
     # Micro-batches of 16 (8 per worker), 4 per update: the 20 updates of batch 64, and
     # one gradient all-reduce per update, not per micro-batch.
@@ -92,6 +96,7 @@ def test_accumulating_4_micro_batches_equals_one_device(optimizer, tmp_path):
 
 
 @pytest.mark.parametrize("keras_own", [False, True])
+@pytest.mark.multiprocess
 def test_mixed_float16_inf_on_one_worker_skips_the_step_on_both(keras_own, tmp_path):
     # An inf in worker 1's half of step 3 (each epoch). Keras's LossScaleOptimizer decides
     # per worker: worker 0 enters the gradient all-reduce alone and waits, here until
@@ -109,6 +114,7 @@ def test_mixed_float16_inf_on_one_worker_skips_the_step_on_both(keras_own, tmp_p
     assert all(np.all(np.isfinite(array)) for array in np.load(out).values())
 
 
+@pytest.mark.multiprocess
 def test_bare_stack_fails_in_model_fit(tmp_path):
     result = launch([sys.executable, SCRIPT, str(tmp_path / "w.npz"), "--bare"], tmp_path)
     assert result.returncode != 0
@@ -118,12 +124,14 @@ def test_bare_stack_fails_in_model_fit(tmp_path):
 @pytest.mark.parametrize("fix, symptom", [
     ("symbolic_build", "Attempt to convert a value (PerReplica"),
     ("metric_reduction", "Invalid reduction dimension 0 for input with 0 dimensions")])
+@pytest.mark.multiprocess
 def test_each_keras_fix_is_needed(fix, symptom, tmp_path):
     result = launch([sys.executable, SCRIPT, str(tmp_path / "w.npz"), f"--undo={fix}"], tmp_path)
     assert result.returncode != 0
     assert symptom in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_users_model_with_batchnorm_dropout_validation_and_evaluate(tmp_path):
     result = launch([sys.executable, str(REPO / "examples" / "keras_fit.py"),
                      "--strategy=multi_worker", "--epochs=2"], tmp_path)
@@ -133,6 +141,7 @@ def test_users_model_with_batchnorm_dropout_validation_and_evaluate(tmp_path):
     assert summary["evaluate_accuracy"] > 0.5 and summary["val_accuracy"] > 0.5
 
 
+@pytest.mark.multiprocess
 def test_batch_that_does_not_divide_fails_on_every_worker_with_one_line(tmp_path):
     result = launch([TFDIST, "train", "--strategy=multi_worker",
                      "--set", "train.global_batch_size=63"], tmp_path)
@@ -151,7 +160,7 @@ def two_consecutive_free_ports() -> int:
     """A port p such that p and p + 1 are both free now (Slurm gives a node's tasks p, p+1)."""
     import socket
 
-    from tfdist.launch import free_ports
+    from tfdist.app.launch import free_ports
 
     for _ in range(100):
         (port,) = free_ports(1)
@@ -166,6 +175,7 @@ def two_consecutive_free_ports() -> int:
     raise RuntimeError("no two consecutive free ports found")
 
 
+@pytest.mark.multiprocess
 def test_a_slurm_job_step_trains_without_tf_config(tmp_path):
     # Two processes with the variables srun sets for 2 tasks on one node, no TF_CONFIG.
     import os
@@ -187,9 +197,10 @@ def test_a_slurm_job_step_trains_without_tf_config(tmp_path):
     summary = last_json_line(outputs[0])
     assert summary["strategy"] == "multi_worker"  # auto chose it from Slurm's 2 tasks
     assert summary["replicas"] == 2
-    assert "{" not in outputs[1].splitlines()[-1]  # only the chief reports
+    assert not any(line.startswith("{") for line in outputs[1].splitlines())  # chief only
 
 
+@pytest.mark.multiprocess
 def test_only_the_chief_leaves_files(tmp_path):
     # Each worker runs in its own folder, so a file left by worker 1 would show.
     for index in (0, 1):

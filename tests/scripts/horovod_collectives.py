@@ -1,8 +1,11 @@
 """Horovod's TensorFlow collectives on each rank: eager allreduce, grouped allreduce in a
-tf.function, broadcast. Prints one line per rank for the test to read.
+tf.function, broadcast. Each rank writes one line to OUT_DIR/rank{R}.txt for the test.
 
-    mpirun -np 2 python tests/scripts/horovod_collectives.py
+    mpirun -np 2 python tests/scripts/horovod_collectives.py OUT_DIR
 """
+
+import os
+import sys
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -24,6 +27,8 @@ def compact(values):
     return str(values).replace(" ", "")
 
 
-print(f"rank={rank} size={hvd.size()} sum={compact(summed.numpy().tolist())} "
-      f"average={compact(first.numpy().tolist())}/{compact(second.numpy().ravel().tolist())} "
-      f"broadcast={compact(broadcast.numpy().tolist())}", flush=True)
+with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as report:
+    report.write(f"rank={rank} size={hvd.size()} sum={compact(summed.numpy().tolist())} "
+                 f"average={compact(first.numpy().tolist())}/"
+                 f"{compact(second.numpy().ravel().tolist())} "
+                 f"broadcast={compact(broadcast.numpy().tolist())}")

@@ -31,7 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-GLOBAL_BATCH, FEATURES, CLASSES, VOCABULARY = 32, 8, 3, 40
+from tests import reference  # noqa: E402
+from tests.reference import make_optimizer  # noqa: E402
+
+GLOBAL_BATCH = 32
 
 
 def examples(steps, inf_at_step=None, embedding=False):
@@ -39,33 +42,17 @@ def examples(steps, inf_at_step=None, embedding=False):
 
     With embedding, the features are token ids, for a model with an Embedding layer.
     """
-    rng = np.random.RandomState(0)
-    if embedding:
-        features = rng.randint(0, VOCABULARY, (steps * GLOBAL_BATCH, FEATURES)).astype("int32")
-    else:
-        features = rng.randn(steps * GLOBAL_BATCH, FEATURES).astype("float32")
-    labels = rng.randint(0, CLASSES, steps * GLOBAL_BATCH).astype("int32")
-    if inf_at_step is not None:
-        features[inf_at_step * GLOBAL_BATCH + GLOBAL_BATCH - 1, 0] = np.inf  # last row: rank 1
-    return features, labels
+    inf_at = None if inf_at_step is None else inf_at_step * GLOBAL_BATCH + GLOBAL_BATCH - 1
+    return reference.examples(steps * GLOBAL_BATCH, embedding=embedding, inf_at=inf_at)
 
 
 def make_model(embedding=False):
-    """An MLP; with embedding, an Embedding layer (sparse gradients) in front of it."""
-    inputs = [keras.Input((FEATURES,), dtype="int32"), keras.layers.Embedding(VOCABULARY, 4),
-              keras.layers.Flatten()] if embedding else [keras.Input((FEATURES,))]
-    return keras.Sequential([
-        *inputs, keras.layers.Dense(16, activation="relu"), keras.layers.Dense(CLASSES),
-        keras.layers.Activation("softmax", dtype="float32")])
+    """The reference MLP; with embedding, an Embedding layer (sparse gradients) in front."""
+    return reference.make_model(embedding=embedding)
 
 
 def initial_weights(seed, embedding=False):
-    keras.utils.set_random_seed(seed)
-    return [w.copy() for w in make_model(embedding).get_weights()]
-
-
-def make_optimizer(name):
-    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
+    return reference.initial_weights(seed, embedding=embedding)
 
 
 class LocalLogs(keras.callbacks.Callback):

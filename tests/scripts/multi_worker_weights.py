@@ -23,26 +23,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tests.reference import examples as reference_examples  # noqa: E402
+from tests.reference import initial_weights, make_model, make_optimizer  # noqa: E402
+
 EXAMPLES, GLOBAL_BATCH, EPOCHS = 640, 64, 2  # 20 steps
-
-
-def examples():
-    rng = np.random.RandomState(0)
-    return (rng.randn(EXAMPLES, 8).astype("float32"), rng.randint(0, 3, EXAMPLES).astype("int32"))
-
-
-def make_model():
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                             keras.layers.Dense(3, activation="softmax")])
-
-
-def initial_weights():
-    keras.utils.set_random_seed(11)
-    return [w.copy() for w in make_model().get_weights()]
-
-
-def make_optimizer(name):
-    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
 
 
 def counting(optimizer):
@@ -73,11 +57,11 @@ def main():
     if args.bare:
         tf.config.threading.set_inter_op_parallelism_threads(4)
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        dataset = tf.data.Dataset.from_tensor_slices(examples())
+        dataset = tf.data.Dataset.from_tensor_slices(reference_examples(EXAMPLES))
         data, is_chief = dataset.batch(GLOBAL_BATCH, drop_remainder=True), None
     else:
         import tfdist
-        from tfdist import keras_compat
+        from tfdist.patches import keras_trainer
 
         runner = tfdist.Runner(tfdist.load_config(overrides={
             "strategy": "multi_worker",
@@ -87,13 +71,11 @@ def main():
             # Keras's own decision leaves one worker waiting in a collective: end the wait.
             "multi_worker.timeout_seconds": 10.0 if args.keras_loss_scaling else 0.0}))
         if args.undo == "symbolic_build":
-            keras_compat.undo_symbolic_build_fix()
+            keras_trainer.MULTI_WORKER_SYMBOLIC_BUILD.undo()
         elif args.undo == "metric_reduction":
-            keras_compat.undo_multi_worker_fixes()
-            keras_compat.fix_symbolic_build_for_multi_worker()
-        features, labels = examples()
-        if args.inf_at_step is not None:
-            features[args.inf_at_step * GLOBAL_BATCH + GLOBAL_BATCH - 1, 0] = np.inf
+            keras_trainer.MULTI_WORKER_METRIC_REDUCTION.undo()
+        features, labels = reference_examples(EXAMPLES, inf_at=None if args.inf_at_step is None
+                                              else args.inf_at_step * GLOBAL_BATCH + GLOBAL_BATCH - 1)
         dataset = tf.data.Dataset.from_tensor_slices((features, labels))
         strategy, is_chief = runner.strategy, runner.is_chief
         data = runner.dataset(dataset, GLOBAL_BATCH // args.accumulation_steps)

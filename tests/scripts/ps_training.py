@@ -32,31 +32,22 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import yaml  # noqa: E402
 
+from tests import reference  # noqa: E402
+
 EXAMPLES, BATCH = 640, 32  # 20 steps per epoch
 KILL_AT_STEP = 5
 
 
 def examples(model_kind):
-    rng = np.random.RandomState(0)
-    labels = rng.randint(0, 3, EXAMPLES).astype("int32")
-    if model_kind == "embedding":
-        return rng.randint(0, 64, (EXAMPLES, 4)).astype("int32"), labels
-    return rng.randn(EXAMPLES, 8).astype("float32"), labels
+    return reference.examples(EXAMPLES, embedding=model_kind == "embedding")
 
 
 def make_model(model_kind):
-    if model_kind == "embedding":
-        layers = [keras.Input((4,), dtype="int32"), keras.layers.Embedding(64, 8, name="table"),
-                  keras.layers.Flatten()]
-    else:
-        layers = [keras.Input((8,))]
-    return keras.Sequential(layers + [keras.layers.Dense(64, activation="relu", name="hidden"),
-                                      keras.layers.Dense(3, activation="softmax", name="out")])
+    return reference.make_model(hidden=64, embedding=model_kind == "embedding")
 
 
 def initial_weights(model_kind):
-    keras.utils.set_random_seed(11)
-    return [w.copy() for w in make_model(model_kind).get_weights()]
+    return reference.initial_weights(hidden=64, embedding=model_kind == "embedding")
 
 
 def make_optimizer():
@@ -102,9 +93,11 @@ def train_with_runner(args, spe_values, report):
                      (setting.split("=", 1) for setting in args.set))
     runner = tfdist.Runner(tfdist.load_config(overrides=overrides))  # Serves on workers, ps.
     if args.bare == "fit":
-        from tfdist import coordinated_fit
+        from tfdist.patches import keras_trainer
 
-        coordinated_fit.uninstall()
+        for patch in (keras_trainer.PARAMETER_SERVER_FIT, keras_trainer.PARAMETER_SERVER_EVALUATE,
+                      keras_trainer.PARAMETER_SERVER_PREDICT):
+            patch.undo()
     features, labels = examples(args.model)
     train = runner.dataset(tf.data.Dataset.from_tensor_slices((features, labels)), BATCH)
     test = runner.dataset(tf.data.Dataset.from_tensor_slices((features[:100], labels[:100])),
@@ -117,11 +110,14 @@ def train_with_runner(args, spe_values, report):
             model.compile(runner.optimizer(make_optimizer()), "sparse_categorical_crossentropy",
                           metrics=["accuracy"], steps_per_execution=spe)
         recorder = EpochRecorder(args.kill, args.pid_dir)
-        history = model.fit(train, epochs=args.epochs, validation_data=test,
-                            callbacks=[recorder], verbose=0)
+        # Positional, as Keras's signature orders them: x, y, batch_size, epochs, verbose,
+        # callbacks (the routed fit binds them by name).
+        history = model.fit(train, None, None, args.epochs, 0, [recorder],
+                            validation_data=test)
         predictions = model.predict(test, verbose=0)
         report["runs"].append({
             "steps_per_execution": spe,
+            "policy": model.get_layer("hidden").dtype_policy.name,
             "iterations": int(model.optimizer.iterations.numpy()),
             "expected": args.epochs * EXAMPLES // BATCH,
             "learning_rate": float(model.optimizer.learning_rate.numpy()),
@@ -133,7 +129,29 @@ def train_with_runner(args, spe_values, report):
             "weights": [w.tolist() for w in model.get_weights()],
         })
         report["shards"] = shard_devices(model)
+    report["stateless_call_writes_variables"] = stateless_call_writes_variables()
     return runner.is_chief
+
+
+class Counter(keras.layers.Layer):
+    """Counts its calls in a non-trainable variable, with `assign_add`."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, inputs):
+        self.calls.assign_add(1.0)
+        return inputs
+
+
+def stateless_call_writes_variables():
+    """After parameter-server training in this process (its patches applied), whether
+    `stateless_call` of a plain layer writes the layer's variables (it must not)."""
+    layer = Counter()
+    layer(np.ones((1, 2), "float32"))
+    layer.stateless_call([], [v.value for v in layer.non_trainable_variables],
+                         np.ones((1, 2), "float32"))
+    return float(layer.calls.numpy()) != 1.0
 
 
 def train_bare_loop(args, report):
@@ -148,9 +166,9 @@ def train_bare_loop(args, report):
                              protocol="grpc").join()
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     if args.fixes:
-        from tfdist import keras_compat
+        from tfdist import patches
 
-        keras_compat.apply_parameter_server_fixes()
+        patches.apply(patches.PARAMETER_SERVER)
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         cluster, task_type=task_type, task_id=index, rpc_layer="grpc")
     strategy = tf.distribute.ParameterServerStrategy(resolver)

@@ -317,11 +317,11 @@ def bare_multi_worker(args):
     Keras 3 needs tfdist's two multi-worker fixes to train at all, so they are applied;
     nothing else of tfdist is used.
     """
-    from tfdist import keras_compat
+    from tfdist import patches
 
     tf.config.threading.set_inter_op_parallelism_threads(4)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    keras_compat.apply_multi_worker_fixes()
+    patches.apply(patches.MULTI_WORKER)
     task = f"worker{strategy.cluster_resolver.task_id}"
     features, labels = examples()
     data = tf.data.Dataset.from_tensor_slices((features, labels)).batch(GLOBAL_BATCH,

@@ -21,9 +21,11 @@ from typing import Any, Callable, ContextManager, Sequence, Union
 
 import tensorflow as tf
 
+from tfdist import patches as tfdist_patches
 from tfdist.cluster import ClusterInfo
 from tfdist.config import Config
 from tfdist.errors import ConfigError
+from tfdist.patches import Patch
 from tfdist.preemption import LocalStop, StopAgreement
 from tfdist.shuffling import EpochShuffle
 
@@ -38,6 +40,13 @@ class Adapter(abc.ABC):
         cluster: What `tfdist.cluster.detect_cluster` found.
     """
 
+    # The fixes to Keras and TensorFlow this strategy needs (`tfdist.patches`),
+    # applied just before the strategy is built; each acts only where its bug applies.
+    patches: tuple[Patch, ...] = ()
+    # Patches in place only while `create_strategy` builds the strategy (listed by
+    # `tfdist env`; `create_strategy` applies them with `patch.applied()`).
+    patches_while_building: tuple[Patch, ...] = ()
+
     def __init__(self, config: Config, cluster: ClusterInfo):
         self.config = config
         self.cluster = cluster
@@ -48,7 +57,8 @@ class Adapter(abc.ABC):
 
     @functools.cached_property
     def strategy(self) -> tf.distribute.Strategy:
-        """The strategy, created on first use."""
+        """The strategy, created on first use (after this adapter's patches are applied)."""
+        tfdist_patches.apply(self.patches)
         return self.create_strategy()
 
     @property

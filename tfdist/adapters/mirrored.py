@@ -12,19 +12,19 @@ Example:
 
 from __future__ import annotations
 
-import itertools
-import threading
-
 import tensorflow as tf
 
 from tfdist.adapters.base import Adapter, check_device
 from tfdist.config import CrossDeviceOps
 from tfdist.devices import split_cpu
 from tfdist.errors import ConfigError
+from tfdist.patches import tensorflow_distribute
 
 
 class MirroredAdapter(Adapter):
     """`tf.distribute.MirroredStrategy` over configured, detected or logical CPU devices."""
+
+    patches_while_building = (tensorflow_distribute.MIRRORED_COLLECTIVE_KEYS,)
 
     def create_strategy(self) -> tf.distribute.Strategy:
         options = self.config.mirrored
@@ -34,7 +34,11 @@ class MirroredAdapter(Adapter):
             devices = [check_device(d, self.cluster, "mirrored.devices") for d in options.devices]
         else:
             devices = None  # TensorFlow's choice: every GPU, else the CPU.
-        return new_mirrored_strategy(devices, self._cross_device_ops())
+        # Keys of its own, so a second strategy in this process does not collide with
+        # the first (tensorflow/tensorflow#62790).
+        with tensorflow_distribute.MIRRORED_COLLECTIVE_KEYS.applied():
+            return tf.distribute.MirroredStrategy(devices=devices,
+                                                  cross_device_ops=self._cross_device_ops())
 
     def _cross_device_ops(self) -> tf.distribute.CrossDeviceOps | None:
         choice = self.config.mirrored.cross_device_ops
@@ -49,34 +53,3 @@ class MirroredAdapter(Adapter):
         if choice is CrossDeviceOps.REDUCE_TO_ONE:
             return tf.distribute.ReductionToOneDevice()
         return None
-
-
-# Every MirroredStrategy numbers its collective groups from 1 and their instances
-# from 100. A second strategy in the same process (a notebook, a sweep, a second
-# Runner) reuses the first one's keys, and once the tensors differ the runtime's
-# cached collectives fail with "Shape mismatch in the collective instance 100"
-# (tensorflow/tensorflow#62790). TensorFlow's own tests give each strategy a key
-# base through the class attribute `_collective_key_base`, read once when the
-# strategy is built; tfdist does the same, so each strategy has keys of its own.
-_GROUP_KEYS_PER_STRATEGY = 10_000
-_strategy_serial = itertools.count(1)
-_key_base_lock = threading.Lock()
-
-
-def new_mirrored_strategy(devices: list[str] | None,
-                          cross_device_ops: tf.distribute.CrossDeviceOps | None
-                          ) -> tf.distribute.MirroredStrategy:
-    """A `MirroredStrategy` whose collective keys no other strategy in the process uses.
-
-    Args:
-        devices: Device names, or None for TensorFlow's choice.
-        cross_device_ops: The all-reduce implementation, or None for TensorFlow's choice.
-    """
-    strategy_cls = tf.distribute.MirroredStrategy
-    with _key_base_lock:
-        previous = strategy_cls._collective_key_base
-        strategy_cls._collective_key_base = next(_strategy_serial) * _GROUP_KEYS_PER_STRATEGY
-        try:
-            return strategy_cls(devices=devices, cross_device_ops=cross_device_ops)
-        finally:
-            strategy_cls._collective_key_base = previous

@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from typing import Any, Iterator, Sequence
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.distribute import collective_all_reduce_strategy
 
-from tfdist import keras_compat
 from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_function,
                                   check_global_batch_size)
 from tfdist.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, AutoShard, Communication
 from tfdist.devices import split_cpu
 from tfdist.errors import ConfigError
+from tfdist.patches import MULTI_WORKER, tensorflow_distribute
 from tfdist.preemption import CoordinatedStop, StopAgreement
 from tfdist.shuffling import EpochShuffle
 
@@ -54,6 +52,8 @@ _SHARD_POLICIES = {
 class MultiWorkerAdapter(Adapter):
     """Builds `MultiWorkerMirroredStrategy` from the detected or configured cluster."""
 
+    patches = MULTI_WORKER
+    patches_while_building = (tensorflow_distribute.MULTI_WORKER_CPU_REPLICAS,)
     _barriers = 0  # Barriers passed so far; each gets a name of its own.
 
     def create_strategy(self) -> tf.distribute.Strategy:
@@ -67,7 +67,6 @@ class MultiWorkerAdapter(Adapter):
         communication = tf.distribute.experimental.CommunicationOptions(
             implementation=_IMPLEMENTATIONS[options.communication],
             timeout_seconds=options.timeout_seconds or None)
-        keras_compat.apply_multi_worker_fixes()
         try:
             with _cpu_replicas_per_worker(options.cpu_replicas):
                 return tf.distribute.MultiWorkerMirroredStrategy(
@@ -224,32 +223,18 @@ class MultiWorkerAdapter(Adapter):
                           "Received: no TF_CONFIG, no Slurm job, multi_worker.workers=[]")
 
 
-_local_devices_lock = threading.Lock()
-
-
 @contextlib.contextmanager
 def _cpu_replicas_per_worker(replicas: int) -> Iterator[None]:
     """While a strategy is built, gives each worker `replicas` logical CPU devices.
 
-    MultiWorkerMirroredStrategy puts one replica on a worker without GPUs: its
-    `_initialize_local_devices` (called only while the strategy is built) returns
-    CPU:0 alone. `multi_worker.cpu_replicas` swaps in the logical CPU devices, so a
-    machine without GPUs runs the code path of several GPUs per worker.
+    MultiWorkerMirroredStrategy puts one replica on a worker without GPUs (its
+    `_initialize_local_devices`, called only while the strategy is built). The patch
+    gives it the logical CPU devices instead, so a machine without GPUs runs the code
+    path of several GPUs per worker.
     """
     if not replicas:
         yield
         return
     split_cpu(replicas, key="multi_worker.cpu_replicas")
-    extended_cls = collective_all_reduce_strategy.CollectiveAllReduceExtended
-    with _local_devices_lock:
-        original = extended_cls._initialize_local_devices
-
-        def cpu_devices(self, cluster_resolver, worker_device):
-            devices = tuple(f"{worker_device}/device:CPU:{i}" for i in range(replicas))
-            return devices, "CPU"
-
-        extended_cls._initialize_local_devices = cpu_devices
-        try:
-            yield
-        finally:
-            extended_cls._initialize_local_devices = original
+    with tensorflow_distribute.MULTI_WORKER_CPU_REPLICAS.applied(replicas=replicas):
+        yield

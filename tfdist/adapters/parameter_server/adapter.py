@@ -6,7 +6,7 @@ TF_CONFIG (what `tfdist launch --ps`, Kubeflow's TFJob and Vertex AI set): one
 variables. Every task runs the same command. On a worker or a parameter server
 the Runner starts this task's server and serves until the process is stopped,
 so the rest of the script never runs there; on the chief it returns, and
-`model.fit` schedules steps on the workers (see `tfdist.coordinated_fit`).
+`model.fit` schedules steps on the workers (see `coordinated_fit.py` beside this module).
 
 Variables larger than `parameter_server.min_shard_bytes` are split row-wise
 into shards on different parameter servers (at most `max_shards`, by default
@@ -26,11 +26,11 @@ from typing import NoReturn
 import tensorflow as tf
 from absl import logging
 
-from tfdist import coordinated_fit, keras_compat
 from tfdist.adapters.base import Adapter
 from tfdist.cluster import ClusterInfo, TFConfigInfo
 from tfdist.config import Config
 from tfdist.errors import ConfigError
+from tfdist.patches import PARAMETER_SERVER
 from tfdist.shuffling import EpochShuffle
 
 
@@ -41,6 +41,8 @@ class ParameterServerAdapter(Adapter):
         ConfigError: no TF_CONFIG with a chief, workers and ps tasks, or an option
             this strategy does not support.
     """
+
+    patches = PARAMETER_SERVER
 
     def __init__(self, config: Config, cluster: ClusterInfo):
         super().__init__(config, cluster)
@@ -59,8 +61,6 @@ class ParameterServerAdapter(Adapter):
             _serve(spec, tf_config.task_type, tf_config.task_index, self.inter_op_threads())
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             spec, task_type=tf_config.task_type, task_id=tf_config.task_index, rpc_layer="grpc")
-        keras_compat.apply_parameter_server_fixes()
-        coordinated_fit.install()
         strategy = tf.distribute.ParameterServerStrategy(
             resolver, variable_partitioner=self._partitioner())
         # The one coordinator of this strategy; model.fit finds it again.

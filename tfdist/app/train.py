@@ -17,7 +17,7 @@ from typing import Any
 
 import keras
 
-from tfdist import data
+from tfdist.app import data
 from tfdist.callbacks import Throughput
 from tfdist.config import Config, OptimizerName, TrainConfig
 from tfdist.errors import ConfigError

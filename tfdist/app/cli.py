@@ -4,6 +4,10 @@
     tfdist launch -n N [--ps M] [--max_restarts R] [--grace_seconds S] -- COMMAND ...
     tfdist env
 
+TensorFlow's C++ start-up lines (oneDNN, CPU features, ...) are hidden unless
+TF_CPP_MIN_LOG_LEVEL is set or `--verbose` is given (before `--` for launch, whose
+processes inherit the setting).
+
 Bad input (a flag, a config value, the environment) prints one line,
 `tfdist: error: ...`, to stderr and exits with status 2; a cluster that cannot go on
 (a parameter server lost, a peer stuck past the collective timeout) prints one such
@@ -21,6 +25,8 @@ from typing import NoReturn, Sequence
 from absl import app, flags, logging
 
 from tfdist import flags as tfdist_flags
+from tfdist.app import quiet
+from tfdist.cluster import set_default_environment
 from tfdist.config import config_keys, field_help, load_config
 from tfdist.errors import ClusterError, ConfigError
 
@@ -33,7 +39,11 @@ commands:
           tfdist launch -n 2 -- tfdist train --strategy multi_worker
   env     print what tfdist detects here: versions, devices, cluster, what auto chooses
 
-Run 'tfdist COMMAND --help' for a command's flags."""
+Run 'tfdist COMMAND --help' for a command's flags; --verbose shows TensorFlow's own log."""
+
+# TensorFlow's C++ log below ERROR (INFO and WARNING lines at start-up and in input
+# pipelines) is hidden unless the user asks for it.
+_QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -43,8 +53,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(_USAGE)
         sys.exit(0 if len(argv) >= 2 else 2)
     command, rest = argv[1], argv[2:]
+    own = rest[:rest.index("--")] if "--" in rest else rest
+    if "--verbose" in own:
+        rest.remove("--verbose")  # The first one, which is in `own`.
+        hide_tensorflow_log = False
+    else:
+        # Before TensorFlow is imported: its C++ log reads the level once, at start. A
+        # level the user set is theirs, and so is every line it lets through.
+        hide_tensorflow_log = bool(set_default_environment(_QUIET_TENSORFLOW))
     if command == "launch":
-        sys.exit(_launch(rest))
+        sys.exit(_launch(rest, hide_tensorflow_log=hide_tensorflow_log))
+    if hide_tensorflow_log and command in ("train", "env") and "--help" not in rest:
+        quiet.import_tensorflow()
     commands = {"train": _train, "env": _env}
     if command not in commands:
         _fail(f"unknown command '{command}'; use one of {', '.join(commands)} "
@@ -122,7 +142,7 @@ def _fail(message: str, status: int = 2) -> NoReturn:
 
 def _train() -> None:
     config = tfdist_flags.config_from_flags()  # Fails fast, before TensorFlow is imported.
-    from tfdist import train
+    from tfdist.app import train
     from tfdist.runner import Runner
 
     runner = Runner(config)
@@ -136,8 +156,8 @@ def _train() -> None:
         print(json.dumps(result), flush=True)
 
 
-def _launch(argv: list[str]) -> int:
-    from tfdist import launch
+def _launch(argv: list[str], *, hide_tensorflow_log: bool) -> int:
+    from tfdist.app import launch
 
     launcher_args, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
         if "--" in argv else (argv, [])
@@ -169,7 +189,8 @@ def _launch(argv: list[str]) -> int:
             raise ConfigError(f"tfdist launch --grace_seconds must be > 0. "
                               f"Received: --grace_seconds {options.grace_seconds:g}")
         return launch.launch(command, options.num_workers, options.ps, options.max_restarts,
-                             grace_seconds=options.grace_seconds)
+                             grace_seconds=options.grace_seconds,
+                             hide_tensorflow_log=hide_tensorflow_log)
     except ConfigError as error:
         _fail(str(error))
 
@@ -196,8 +217,27 @@ def _env() -> None:
         "horovod": _horovod_build(),
         "auto": {"strategy": strategy.value, "why": reason,
                  "precision": precision.name, "precision_why": precision.reason},
+        "patches": _patches(),
     }
     print(json.dumps(report, indent=2, default=str))
+
+
+def _patches() -> dict:
+    """tfdist's fixes to Keras and TensorFlow: which are active in this process, and for
+    each, its upstream issue, whether the installed code still has the bug, and which
+    strategies apply it."""
+    from tfdist import patches, registry
+
+    users: dict[str, list[str]] = {}
+    for name in registry.available():
+        adapter_cls = registry.get(name)
+        for patch in (*adapter_cls.patches, *adapter_cls.patches_while_building):
+            users.setdefault(patch.name, []).append(name)
+    return {"active": patches.active(),
+            "all": [{"name": patch.name, "upstream": patch.upstream,
+                     "bug_present": patch.bug_present(),
+                     "applied_by": users.get(patch.name, [])}
+                    for patch in patches.registered()]}
 
 
 def _horovod_build() -> dict:

@@ -2,9 +2,10 @@
 
 Keras 3 dropped parameter-server training (keras-team/keras#18624): `model.fit`
 under the strategy fails with `ValueError: ... pass this dataset to
-ClusterCoordinator.create_per_worker_dataset`. `install()` routes the three
-methods of a model built under a ParameterServerStrategy here; every other model
-keeps Keras's own code. The user's call does not change:
+ClusterCoordinator.create_per_worker_dataset`. The patches
+`keras.trainer.parameter_server_{fit,evaluate,predict}` (tfdist.patches.keras_trainer)
+route the three methods of a model built under a ParameterServerStrategy here; every
+other model keeps Keras's own code. The user's call does not change:
 
     with runner.scope():                     # strategy: parameter_server
         model = build_model()
@@ -37,9 +38,7 @@ How it trains (on the chief, which holds the `ClusterCoordinator`):
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
-import threading
 from typing import Any, Iterator
 
 import tensorflow as tf
@@ -47,74 +46,32 @@ from absl import logging
 
 from tfdist.errors import ClusterError, ConfigError
 
-_lock = threading.Lock()
-
-
-def install() -> bool:
-    """Routes `fit`, `evaluate` and `predict` of parameter-server models here.
-
-    Returns:
-        True if installed now; False if it was installed before.
-    """
-    from keras.src.backend.tensorflow import trainer
-
-    trainer_cls = trainer.TensorFlowTrainer
-    with _lock:
-        if getattr(trainer_cls.fit, "_tfdist_fix", False):
-            return False
-        for name, replacement in (("fit", fit), ("evaluate", _on_chief),
-                                  ("predict", _on_chief)):
-            original = getattr(trainer_cls, name)
-            setattr(trainer_cls, name, _routed(original, replacement))
-        return True
-
-
-def uninstall() -> None:
-    """Restores Keras's own methods (for tests that show Keras's failure)."""
-    from keras.src.backend.tensorflow import trainer
-
-    trainer_cls = trainer.TensorFlowTrainer
-    with _lock:
-        for name in ("fit", "evaluate", "predict"):
-            method = getattr(trainer_cls, name)
-            if getattr(method, "_tfdist_fix", False):
-                setattr(trainer_cls, name, method.__wrapped__)
-
-
-def uses_parameter_servers(model: Any) -> bool:
-    """Whether `model` was built under a ParameterServerStrategy."""
-    return isinstance(getattr(model, "_distribute_strategy", None),
-                      tf.distribute.experimental.ParameterServerStrategy)
-
-
-def _routed(original, replacement):
-    @functools.wraps(original)
-    def method(self, *args, **kwargs):
-        if uses_parameter_servers(self):
-            return replacement(self, original, *args, **kwargs)
-        return original(self, *args, **kwargs)
-
-    method._tfdist_fix = True
-    method.__wrapped__ = original
-    return method
-
-
 def fit(model: Any, keras_fit: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         epochs: int = 1, verbose: Any = "auto", callbacks: Any = None,
         validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
         class_weight: Any = None, sample_weight: Any = None, initial_epoch: int = 0,
         steps_per_epoch: int | None = None, validation_steps: int | None = None,
-        validation_batch_size: int | None = None, validation_freq: int = 1) -> Any:
+        validation_batch_size: int | None = None, validation_freq: int = 1,
+        **others: Any) -> Any:
     """`model.fit` for a model built under ParameterServerStrategy (see the module).
 
     Takes Keras's arguments. `x` is a batched `tf.data.Dataset` (what
     `runner.dataset` returns) or arrays with `y` and `batch_size`.
+
+    Args:
+        model: The compiled model.
+        keras_fit: Keras's own `fit` (unused: it has no loop for this strategy).
+        **others: Keywords of a newer Keras that this loop does not know: refused.
 
     Raises:
         ConfigError: an argument this loop cannot honour.
         ClusterError: a parameter server failed.
     """
     del keras_fit, shuffle  # Datasets shuffle themselves; arrays keep their order.
+    if others:
+        raise ConfigError(f"model.fit under parameter_server does not take "
+                          f"{', '.join(sorted(others))} yet; leave it out. "
+                          f"Received: {others!r}")
     for name, value in (("class_weight", class_weight), ("sample_weight", sample_weight),
                         ("validation_split", validation_split)):
         if value:
@@ -185,19 +142,26 @@ def _wants_state(callbacks: Any, steps_done: int) -> bool:
                if hasattr(callback, "wants_state_at_step"))
 
 
-def _on_chief(model: Any, keras_method: Any, x: Any = None, *args: Any, **kwargs: Any) -> Any:
-    """Runs Keras's `evaluate` or `predict` on the chief, reading the servers' variables.
+def evaluate(model: Any, keras_evaluate: Any, x: Any = None, **arguments: Any) -> Any:
+    """`model.evaluate` on the chief, reading the servers' variables (Keras's arguments)."""
+    return _on_chief(model, keras_evaluate, x, arguments)
 
-    The strategy is set aside for the call: Keras then runs its own loop with the
-    default strategy on this process, and each batch is seen exactly once.
-    """
+
+def predict(model: Any, keras_predict: Any, x: Any = None, **arguments: Any) -> Any:
+    """`model.predict` on the chief, reading the servers' variables (Keras's arguments)."""
+    return _on_chief(model, keras_predict, x, arguments)
+
+
+def _on_chief(model: Any, keras_method: Any, x: Any, arguments: dict[str, Any]) -> Any:
+    """Runs Keras's `evaluate` or `predict` with the strategy set aside for the call:
+    Keras then runs its own loop on this process, and each batch is seen exactly once."""
     if isinstance(x, tf.data.Dataset):
         _build(model, x)
     strategy = model._distribute_strategy
     model._distribute_strategy = None
     try:
         with _translated_cluster_errors(strategy):
-            return keras_method(model, x, *args, **kwargs)
+            return keras_method(model, x, **arguments)
     finally:
         model._distribute_strategy = strategy
 

@@ -45,6 +45,7 @@ import threading
 import time
 from typing import IO, Iterator, Sequence
 
+from tfdist.app.quiet import is_tensorflow_log_line
 from tfdist.cluster import child_environment
 from tfdist.errors import ConfigError
 from tfdist.preemption import RESTART_EXIT_CODE
@@ -108,7 +109,8 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
 
 
 def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restarts: int = 0, *,
-           grace_seconds: float = 30.0, output: IO[str] | None = None) -> int:
+           grace_seconds: float = 30.0, output: IO[str] | None = None,
+           hide_tensorflow_log: bool = False) -> int:
     """Runs `command` once per task of a local cluster and returns the group's exit status.
 
     Args:
@@ -119,6 +121,9 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
         grace_seconds: How long children have to save and exit after the launcher
             is interrupted, or after a task exits with status 143, before SIGKILL.
         output: Where prefixed lines go. None: standard output.
+        hide_tensorflow_log: Drop the tasks' TensorFlow C++ log lines at INFO and
+            WARNING severity (those written while TensorFlow loads get past
+            `TF_CPP_MIN_LOG_LEVEL`).
 
     Returns:
         0 on success; otherwise the failed task's exit status (128 + N for a task
@@ -143,7 +148,7 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
             if attempt:
                 _say(output, f"restarting the group (restart {attempt} of {max_restarts})")
             status = _Group(list(command), cluster_spec(num_workers, num_ps), output,
-                            grace_seconds, interrupted).run()
+                            grace_seconds, interrupted, hide_tensorflow_log).run()
             if status == 0 or interrupted.is_set():
                 return status
     return status
@@ -167,8 +172,10 @@ class _Group:
     """One attempt: start every task, relay output, watch, stop."""
 
     def __init__(self, command: list[str], cluster: dict[str, list[str]], output: IO[str],
-                 grace_seconds: float, interrupted: _Interruption):
+                 grace_seconds: float, interrupted: _Interruption,
+                 hide_tensorflow_log: bool = False):
         self.command = command
+        self.hide_tensorflow_log = hide_tensorflow_log
         self.cluster = cluster
         self.output = output
         self.grace_seconds = grace_seconds
@@ -211,6 +218,8 @@ class _Group:
 
     def _relay(self, task: Task, process: subprocess.Popen) -> None:
         for line in process.stdout:
+            if self.hide_tensorflow_log and is_tensorflow_log_line(line):
+                continue
             with self.write_lock:
                 self.output.write(f"[{task.name}] {line}" if line.endswith("\n")
                                   else f"[{task.name}] {line}\n")

@@ -1,0 +1,75 @@
+"""The reference job every equivalence test trains: fixed data, one small model, fixed start.
+
+A distributed run and the one-device run it is compared with build both from here, so
+they differ only in the strategy. Test scripts run as separate processes import it too
+(they put the repository root on `sys.path`).
+
+Example:
+
+    features, labels = reference.examples(640)
+    model = reference.make_model()
+    model.set_weights(reference.initial_weights())
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import keras
+import numpy as np
+
+FEATURES, CLASSES, VOCABULARY = 8, 3, 40
+TOLERANCE = 1e-5  # float32 weights, distributed against one device
+
+
+def examples(count: int, *, seed: int = 0, embedding: bool = False,
+             inf_at: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`count` examples: features (float32, or token ids with `embedding`) and labels.
+
+    Args:
+        count: How many.
+        seed: The data's seed (0 everywhere unless a test needs other data).
+        embedding: Token ids in [0, VOCABULARY) instead of normal features.
+        inf_at: An example whose first feature is set to inf (mixed-precision tests).
+    """
+    rng = np.random.RandomState(seed)
+    if embedding:
+        features = rng.randint(0, VOCABULARY, (count, FEATURES)).astype("int32")
+    else:
+        features = rng.randn(count, FEATURES).astype("float32")
+    labels = rng.randint(0, CLASSES, count).astype("int32")
+    if inf_at is not None:
+        features[inf_at, 0] = np.inf
+    return features, labels
+
+
+def make_model(*, hidden: int = 16, embedding: bool = False) -> keras.Model:
+    """An MLP (with `embedding`, an Embedding layer in front: sparse gradients).
+
+    The softmax is its own float32 layer, so the output is float32 under mixed precision.
+    """
+    inputs = ([keras.Input((FEATURES,), dtype="int32"),
+               keras.layers.Embedding(VOCABULARY, 8, name="table"), keras.layers.Flatten()]
+              if embedding else [keras.Input((FEATURES,))])
+    return keras.Sequential([*inputs, keras.layers.Dense(hidden, activation="relu", name="hidden"),
+                             keras.layers.Dense(CLASSES, name="out"),
+                             keras.layers.Activation("softmax", dtype="float32")])
+
+
+def initial_weights(seed: int = 11, **model_options) -> list[np.ndarray]:
+    """The weights every run of `make_model(**model_options)` starts from."""
+    keras.utils.set_random_seed(seed)
+    return [weight.copy() for weight in make_model(**model_options).get_weights()]
+
+
+def make_optimizer(name: str = "adam") -> keras.optimizers.Optimizer:
+    """SGD(0.1), or Adam(0.01): its slots and step count make the weights depend on every
+    step's order and count."""
+    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
+
+
+def largest_difference(weights: Sequence[np.ndarray], expected: Sequence[np.ndarray]) -> float:
+    """The largest absolute difference between two lists of weights."""
+    assert len(weights) == len(expected)
+    return max(float(np.max(np.abs(np.asarray(a, "float64") - np.asarray(b, "float64"))))
+               for a, b in zip(weights, expected))

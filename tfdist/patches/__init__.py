@@ -1,0 +1,95 @@
+"""Every fix tfdist makes to Keras, TensorFlow and Horovod, in one place.
+
+Each fix is a `Patch`: one attribute replaced, a check that the upstream bug is still
+in the installed code, the upstream issue, `apply` and `undo`. Nothing is applied on
+`import tfdist`: each adapter applies the patches its strategy needs when it is built
+(its `patches` attribute), and a replacement acts only where its bug applies, calling
+the original everywhere else. `tfdist env` lists them all; `active()` names those in
+place now.
+
+One module per upstream component:
+
+    keras_trainer         Keras's TensorFlow trainer (multi-worker fit, the
+                          parameter-server fit/evaluate/predict routing)
+    keras_variables       Keras's TensorFlow Variable (atomic updates on parameter servers)
+    keras_optimizer       Keras's TensorFlow optimizer (slots of sharded variables)
+    tensorflow_backprop   GradientTape (gradients of sharded variables)
+    tensorflow_distribute the strategies (sharded updates, collective keys, CPU replicas)
+
+Example:
+
+    from tfdist import patches
+
+    patches.apply(patches.MULTI_WORKER)   # the names applied by this call
+    patches.active()
+    patches.undo(patches.MULTI_WORKER)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from tfdist.patches import (keras_optimizer, keras_trainer, keras_variables,
+                            tensorflow_backprop, tensorflow_distribute)
+from tfdist.patches.base import Patch, registered
+
+# What each strategy applies when its adapter is built.
+MULTI_WORKER: tuple[Patch, ...] = (
+    keras_trainer.MULTI_WORKER_SYMBOLIC_BUILD,
+    keras_trainer.MULTI_WORKER_METRIC_REDUCTION,
+)
+PARAMETER_SERVER: tuple[Patch, ...] = (
+    keras_variables.ATOMIC_ASSIGN_ADD,
+    keras_variables.ATOMIC_ASSIGN_SUB,
+    tensorflow_backprop.SHARDED_VARIABLE_GRADIENTS,
+    tensorflow_distribute.SHARDED_VARIABLE_UPDATES,
+    keras_optimizer.SHARDED_SLOT_VARIABLES,
+    keras_trainer.PARAMETER_SERVER_FIT,
+    keras_trainer.PARAMETER_SERVER_EVALUATE,
+    keras_trainer.PARAMETER_SERVER_PREDICT,
+)
+
+
+def apply(patches: Iterable[Patch]) -> list[str]:
+    """Applies each patch whose bug is present and that is not applied yet.
+
+    Returns:
+        The names applied by this call.
+    """
+    return [patch.name for patch in patches if patch.apply()]
+
+
+def undo(patches: Iterable[Patch]) -> list[str]:
+    """Undoes each patch that is applied, last first.
+
+    Returns:
+        The names undone by this call.
+    """
+    return [patch.name for patch in reversed(list(patches)) if patch.undo()]
+
+
+def undo_all() -> list[str]:
+    """Undoes every active patch: Keras, TensorFlow and Horovod are as installed."""
+    return undo(registered())
+
+
+def active() -> list[str]:
+    """The names of the patches in place now."""
+    return [patch.name for patch in registered() if patch.active]
+
+
+def by_name(name: str) -> Patch:
+    """The patch called `name`.
+
+    Raises:
+        KeyError: no patch has that name (the message lists them).
+    """
+    for patch in registered():
+        if patch.name == name:
+            return patch
+    raise KeyError(f"no patch named {name!r}; known: "
+                   f"{', '.join(patch.name for patch in registered())}")
+
+
+__all__ = ["MULTI_WORKER", "PARAMETER_SERVER", "Patch", "active", "apply", "by_name",
+           "registered", "undo", "undo_all"]

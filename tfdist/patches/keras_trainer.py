@@ -1,0 +1,147 @@
+"""Patches to Keras 3's TensorFlow trainer (`keras/src/backend/tensorflow/trainer.py`).
+
+- Under MultiWorkerMirroredStrategy, `model.fit` fails twice before its first step
+  (keras-team/keras#20585, tensorflow/tensorflow#72388): building the model averages
+  a per-replica data batch, and the step outputs are averaged over an axis a scalar
+  does not have.
+- Under ParameterServerStrategy, Keras 3 has no training loop at all
+  (keras-team/keras#18624): `fit`, `evaluate` and `predict` of a model built under
+  the strategy go to tfdist's coordinated loop instead.
+
+Each replacement acts only for models under the strategy whose bug it fixes and calls
+Keras's own code for every other model.
+
+Example:
+
+    from tfdist.patches import keras_trainer
+
+    keras_trainer.MULTI_WORKER_SYMBOLIC_BUILD.apply()
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+from tfdist.patches.base import Patch, source_contains
+
+
+def _trainer_module() -> Any:
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer
+
+
+def _trainer_class() -> Any:
+    return _trainer_module().TensorFlowTrainer
+
+
+def _in_multi_worker_mode(strategy: Any) -> bool:
+    return strategy is not None and _trainer_module()._collective_all_reduce_multi_worker(
+        strategy)
+
+
+def _first_replica_batch(original: Callable) -> Callable:
+    import tensorflow as tf
+    from keras.src import tree
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if iterator is None or not _in_multi_worker_mode(self._distribute_strategy):
+            return original(self, iterator=iterator, data_batch=data_batch)
+        # Building needs only the batch's shapes and dtypes, which every replica's
+        # slice has: take this worker's first slice instead of a cross-worker mean.
+        for _, _, batches in iterator:
+            data_batch = tree.map_structure(
+                lambda value: (
+                    self.distribute_strategy.experimental_local_results(value)[0]
+                    if isinstance(value, tf.distribute.DistributedValues) else value),
+                next(batches))
+            break
+        return original(self, iterator=None, data_batch=data_batch)
+
+    return _maybe_symbolic_build
+
+
+MULTI_WORKER_SYMBOLIC_BUILD = Patch(
+    "keras.trainer.multi_worker_symbolic_build",
+    owner=_trainer_class, attribute="_maybe_symbolic_build",
+    replacement=_first_replica_batch,
+    bug_present=lambda original: source_contains(original, "distribute_strategy.reduce"),
+    upstream="keras-team/keras#20585, tensorflow/tensorflow#72388",
+    summary="model.fit under MultiWorkerMirroredStrategy fails building the model: "
+            "'Attempt to convert a value (PerReplica...)'")
+
+
+def _mean_over_replicas(original: Callable) -> Callable:
+    from keras.src import tree
+
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction in ("auto", "mean") and _in_multi_worker_mode(strategy):
+            # One worker averages its replicas with reduce_mean(axis=0); across
+            # workers the same mean is a reduce over every replica with axis=None.
+            return tree.map_structure(
+                lambda value: strategy.reduce("MEAN", value, axis=None), values)
+        return original(values, strategy, reduction)
+
+    return reduce_per_replica
+
+
+MULTI_WORKER_METRIC_REDUCTION = Patch(
+    "keras.trainer.multi_worker_metric_reduction",
+    owner=_trainer_module, attribute="reduce_per_replica",
+    replacement=_mean_over_replicas,
+    bug_present=lambda original: source_contains(original,
+                                                 'strategy.reduce("MEAN", v, axis=0)'),
+    upstream="tensorflow/tensorflow#72388",
+    summary="model.fit under MultiWorkerMirroredStrategy fails after its first step: "
+            "'Invalid reduction dimension 0 for input with 0 dimensions'")
+
+
+def _uses_parameter_servers(model: Any) -> bool:
+    import tensorflow as tf
+
+    return isinstance(getattr(model, "_distribute_strategy", None),
+                      tf.distribute.experimental.ParameterServerStrategy)
+
+
+def _routed(name: str) -> Callable[[Callable], Callable]:
+    """A replacement for Keras's `fit`/`evaluate`/`predict` that sends models built
+    under ParameterServerStrategy to tfdist's coordinated loop."""
+
+    def replacement(original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            if not _uses_parameter_servers(self):
+                return original(self, *args, **kwargs)
+            # Bound to Keras's own signature: positional arguments reach the loop by
+            # name, a wrong one is Keras's own TypeError, and a keyword a newer Keras
+            # adds reaches the loop, which refuses what it cannot honour.
+            given = dict(signature.bind(self, *args, **kwargs).arguments)
+            del given["self"]
+            given.update(given.pop("kwargs", {}))
+            from tfdist.adapters.parameter_server import coordinated_fit
+
+            return getattr(coordinated_fit, name)(self, original, **given)
+
+        return method
+
+    return replacement
+
+
+def _has_no_parameter_server_loop(original: Callable) -> bool:
+    # Keras 3's trainer never builds a ClusterCoordinator: fit under the strategy
+    # fails in TensorFlow's input pipeline.
+    return not source_contains(_trainer_module(), "ClusterCoordinator")
+
+
+PARAMETER_SERVER_FIT, PARAMETER_SERVER_EVALUATE, PARAMETER_SERVER_PREDICT = (
+    Patch(f"keras.trainer.parameter_server_{name}",
+          owner=_trainer_class, attribute=name, replacement=_routed(name),
+          bug_present=_has_no_parameter_server_loop,
+          upstream="keras-team/keras#18624",
+          summary=f"model.{name} under ParameterServerStrategy fails: 'pass this dataset to "
+                  f"ClusterCoordinator.create_per_worker_dataset'")
+    for name in ("fit", "evaluate", "predict"))
