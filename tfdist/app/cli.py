@@ -20,7 +20,7 @@ import functools
 import json
 import platform
 import sys
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence
 
 from absl import app, flags, logging
 
@@ -46,8 +46,18 @@ Run 'tfdist COMMAND --help' for a command's flags; --verbose shows TensorFlow's 
 _QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
+def _no_op() -> None:
+    pass
+
+
+# How `train` and `env` import TensorFlow, once their flags are parsed: quietly unless the
+# user asked to see TensorFlow's log (main decides).
+_start_tensorflow: Callable[[], None] = _no_op
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `tfdist` console script."""
+    global _start_tensorflow
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
         print(_USAGE)
@@ -63,8 +73,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         hide_tensorflow_log = bool(set_default_environment(_QUIET_TENSORFLOW))
     if command == "launch":
         sys.exit(_launch(rest, hide_tensorflow_log=hide_tensorflow_log))
-    if hide_tensorflow_log and command in ("train", "env") and "--help" not in rest:
-        quiet.import_tensorflow()
+    _start_tensorflow = quiet.import_tensorflow if hide_tensorflow_log else _no_op
     commands = {"train": _train, "env": _env}
     if command not in commands:
         _fail(f"unknown command '{command}'; use one of {', '.join(commands)} "
@@ -142,6 +151,7 @@ def _fail(message: str, status: int = 2) -> NoReturn:
 
 def _train() -> None:
     config = tfdist_flags.config_from_flags()  # Fails fast, before TensorFlow is imported.
+    _start_tensorflow()
     from tfdist.app import train
     from tfdist.runner import Runner
 
@@ -196,6 +206,7 @@ def _launch(argv: list[str], *, hide_tensorflow_log: bool) -> int:
 
 
 def _env() -> None:
+    _start_tensorflow()
     import keras
     import tensorflow as tf
 
