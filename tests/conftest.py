@@ -89,6 +89,17 @@ def mpirun(*args: str, processes: int = 2) -> list[str]:
             *args]
 
 
+def horovodrun(*args: str, processes: int = 2) -> list[str]:
+    """The `horovodrun --gloo` command line for `processes` local ranks running `args`."""
+    return [str(Path(sys.executable).with_name("horovodrun")), "--gloo", "-np", str(processes),
+            "-H", f"localhost:{processes}", *args]
+
+
+def launcher_command(launcher: str, *args: str, processes: int = 2) -> list[str]:
+    """`mpirun(...)` or `horovodrun(...)`, by name."""
+    return (mpirun if launcher == "mpirun" else horovodrun)(*args, processes=processes)
+
+
 def run_command(args: list[str], *, cwd: Path, env: dict[str, str] | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess:
     """Runs a command with this interpreter's environment (plus `env`; a None value

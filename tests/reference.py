@@ -62,6 +62,33 @@ def initial_weights(seed: int = 11, **model_options) -> list[np.ndarray]:
     return [weight.copy() for weight in make_model(**model_options).get_weights()]
 
 
+IMAGE_SHAPE = (6, 6, 2)
+
+
+def images(count: int, *, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`count` small images (float32, not zero-mean, so batch statistics matter) and labels."""
+    rng = np.random.RandomState(seed)
+    features = (rng.randn(count, *IMAGE_SHAPE) * 2.0 + 1.0).astype("float32")
+    return features, rng.randint(0, CLASSES, count).astype("int32")
+
+
+def make_conv_model(*, synchronized: bool = True) -> keras.Model:
+    """A convolutional model with `BatchNormalization(synchronized=...)`: its output and
+    its moving statistics depend on the statistics of the whole (global) batch."""
+    return keras.Sequential([
+        keras.Input(IMAGE_SHAPE), keras.layers.Conv2D(4, 3, name="conv"),
+        keras.layers.BatchNormalization(synchronized=synchronized, momentum=0.5, name="norm"),
+        keras.layers.ReLU(), keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(CLASSES, name="out"),
+        keras.layers.Activation("softmax", dtype="float32")])
+
+
+def initial_conv_weights(seed: int = 11) -> list[np.ndarray]:
+    """The weights every run of `make_conv_model` starts from."""
+    keras.utils.set_random_seed(seed)
+    return [weight.copy() for weight in make_conv_model().get_weights()]
+
+
 def make_optimizer(name: str = "adam") -> keras.optimizers.Optimizer:
     """SGD(0.1), or Adam(0.01): its slots and step count make the weights depend on every
     step's order and count."""

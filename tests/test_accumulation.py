@@ -125,7 +125,7 @@ def test_a_cycle_carries_over_the_end_of_an_epoch():
     model.fit(runner.dataset(examples(), MICRO_BATCH), epochs=2, verbose=0)
     # 2 x 16 micro-batches: 10 updates, and 2 micro-batches waiting for the next fit.
     assert int(model.optimizer.iterations.numpy()) == 10
-    assert int(model.optimizer._micro_batches.numpy()) == 2
+    assert int(model.optimizer.micro_batches.numpy()) == 2
 
 
 def test_the_wrapper_saves_and_loads_with_the_model(tmp_path):
@@ -134,7 +134,7 @@ def test_the_wrapper_saves_and_loads_with_the_model(tmp_path):
     model.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")
     assert isinstance(loaded.optimizer, AccumulatingOptimizer) and loaded.optimizer.steps == 4
-    assert int(loaded.optimizer._micro_batches.numpy()) == 2
+    assert int(loaded.optimizer.micro_batches.numpy()) == 2
 
 
 def test_keras_own_accumulation_fails_under_mirrored():

@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist.adapters.horovod import tf_variable as _tf_variable
+from tfdist.horovod.collectives import tf_variable as _tf_variable
 from tfdist.checkpointing import TrainingPosition
 
 
@@ -55,16 +55,18 @@ def elastic_state_cls() -> type:
 
         Args:
             hvd: The `horovod.tensorflow` module, initialised.
+            **kwargs: Python values kept with the state (attributes, committed,
+                restored and broadcast from rank 0 with it), as Horovod's states take.
         """
 
-        def __init__(self, hvd: ModuleType):
+        def __init__(self, hvd: ModuleType, **kwargs: Any):
             self._hvd = hvd
             self._variables: list[Any] = []
             self._committed: list[np.ndarray] | None = None
             self.model: Any = None
             self.position: TrainingPosition | None = None
             self.resets = 0
-            super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
+            super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
 
         @property
         def has_commit(self) -> bool:
@@ -77,19 +79,24 @@ def elastic_state_cls() -> type:
             self._variables = [_tf_variable(variable) for variable in variables]
             self.position = position
 
+        def state_variables(self) -> list[Any]:
+            """The `tf.Variable`s committed, restored and broadcast, in a fixed order."""
+            return self._variables
+
         def save(self) -> None:
-            self._committed = [variable.numpy() for variable in self._variables]
+            self._committed = [variable.numpy() for variable in self.state_variables()]
             super().save()
 
         def restore(self) -> None:
             if self._committed is not None:
-                for variable, value in zip(self._variables, self._committed):
+                for variable, value in zip(self.state_variables(), self._committed):
                     variable.assign(value)
             super().restore()
 
         def sync(self) -> None:
-            if self._variables:
-                self._hvd.broadcast_variables(self._variables, root_rank=0)
+            variables = self.state_variables()
+            if variables:
+                self._hvd.broadcast_variables(variables, root_rank=0)
             super().sync()
 
         def reset(self) -> None:

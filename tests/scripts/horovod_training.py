@@ -116,7 +116,7 @@ def main():
         return
 
     import tfdist
-    from tfdist.adapters.horovod import AverageMetrics, BroadcastState
+    from tfdist.horovod.collectives import AverageMetrics, BroadcastState
 
     import yaml
 

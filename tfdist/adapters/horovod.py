@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import numbers
 from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_function,
@@ -38,7 +36,10 @@ from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_
 from tfdist.cluster import ClusterInfo, set_default_environment
 from tfdist.config import Compression, Config, Reduction
 from tfdist.errors import ConfigError
+from tfdist.horovod import collectives
+from tfdist.horovod.collectives import AverageMetrics, BroadcastState
 from tfdist.optimizers import GradientReducingOptimizer
+from tfdist.patches import HOROVOD
 from tfdist.preemption import StopAgreement, VotedStop
 from tfdist.schedules import ScaledWarmup
 from tfdist.shuffling import EpochShuffle
@@ -47,17 +48,15 @@ from tfdist.shuffling import EpochShuffle
 def import_horovod() -> ModuleType:
     """Returns `horovod.tensorflow`, or raises ConfigError saying how to install it."""
     try:
-        import horovod.tensorflow as hvd
-    except ImportError as error:
-        raise ConfigError("strategy horovod needs Horovod built for this TensorFlow, and it "
-                          "cannot be imported here; run `make setup` (or "
-                          "scripts/install_horovod.sh) in this environment. "
-                          f"Received: {type(error).__name__}: {error}") from None
-    return hvd
+        return collectives.import_horovod()
+    except ConfigError as error:
+        raise ConfigError(f"strategy horovod needs Horovod: {error}") from None
 
 
 class HorovodAdapter(Adapter):
     """One rank per device; gradients averaged with Horovod's collectives."""
+
+    patches = HOROVOD
 
     def __init__(self, config: Config, cluster: ClusterInfo):
         super().__init__(config, cluster)
@@ -200,8 +199,8 @@ class HorovodAdapter(Adapter):
               Reduction.ADASUM: hvd.Adasum}[options.op]
         compression = {Compression.NONE: hvd.Compression.none,
                        Compression.FP16: hvd.Compression.fp16}[options.compression]
-        # Horovod allgathers sparse gradients, which Adasum cannot combine.
-        as_dense = options.sparse_as_dense or options.op is Reduction.ADASUM
+        reduce = collectives.gradient_allreduce(hvd, op=op, compression=compression,
+                                                sparse_as_dense=options.sparse_as_dense)
         stop_flag, stop_votes = self._stop_vote
 
         def allreduce(grads: list[Any]) -> list[Any]:
@@ -213,16 +212,7 @@ class HorovodAdapter(Adapter):
                                                 name="tfdist_stop_vote"))
             else:
                 self._traced_without_vote = True
-            if as_dense:
-                grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                         for g in grads]
-            if options.op is Reduction.ADASUM:
-                # Horovod 0.28.1's grouped_allreduce fails for Adasum: it reads a loop
-                # variable (`tensor`) that its own loop never set (UnboundLocalError,
-                # horovod/tensorflow/__init__.py). One allreduce per gradient works, and
-                # Horovod's background thread still fuses them into one buffer.
-                return [hvd.allreduce(g, op=op, compression=compression) for g in grads]
-            return hvd.grouped_allreduce(grads, op=op, compression=compression)
+            return reduce(grads)
 
         return allreduce
 
@@ -287,7 +277,7 @@ class HorovodAdapter(Adapter):
         depends only on the accumulators' sum, and the averaged metrics only on the
         metrics' sums (every rank counts as many examples).
         """
-        sums = _rank_local_sums(variables)
+        sums = collectives.rank_local_sums(variables)
         if not sums:
             yield
             return
@@ -304,7 +294,7 @@ class HorovodAdapter(Adapter):
 
     def after_restore(self, variables: Sequence[Any]) -> None:
         size = self.hvd.size()
-        for variable in _rank_local_sums(variables):
+        for variable in collectives.rank_local_sums(variables):
             variable.assign(variable.read_value() / tf.cast(size, variable.dtype))
 
 
@@ -314,94 +304,3 @@ def _rank_slice(*element: Any, rank: int, size: int) -> Any:
     rows = tf.shape(tf.nest.flatten(element)[0])[0]
     start, stop = rows * rank // size, rows * (rank + 1) // size
     return tf.nest.map_structure(lambda tensor: tensor[start:stop], element)
-
-
-class BroadcastState(keras.callbacks.Callback):
-    """Copies rank 0's weights and optimizer state to every rank before each fit's first step.
-
-    Replica-local variables (each rank's gradient accumulators) are left as they are.
-
-    Before the first step, not at its end as Horovod's Keras 2 callback did, so the
-    first gradients are computed on the same weights everywhere; and at the first
-    batch rather than at `on_train_begin`, so that state restored by callbacks
-    such as `BackupAndRestore` (which restore in `on_train_begin`) is what spreads.
-
-    Args:
-        hvd: The `horovod.tensorflow` module, initialised.
-    """
-
-    def __init__(self, hvd: ModuleType):
-        super().__init__()
-        self._hvd = hvd
-        self._pending = False
-
-    def on_train_begin(self, logs: Any = None) -> None:
-        self._pending = True
-
-    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        if not self._pending:
-            return
-        self._pending = False
-        optimizer = self.model.optimizer
-        if optimizer is not None and not optimizer.built:
-            optimizer.build(self.model.trainable_variables)
-        state = list(self.model.weights) + (list(optimizer.variables) if optimizer else [])
-        # Replica-local state (gradient accumulators) is each rank's own by design: a
-        # fit that starts in the middle of an accumulation cycle must keep it.
-        shared = [variable for variable in map(tf_variable, state)
-                  if variable.synchronization != tf.VariableSynchronization.ON_READ]
-        self._hvd.broadcast_variables(shared, root_rank=0)
-
-
-class AverageMetrics(keras.callbacks.Callback):
-    """Replaces each logged metric by its mean across ranks, at epoch and evaluation ends.
-
-    Every rank's History (and what the chief prints) is then the same. Each rank's
-    value is the mean over its own slices, so the result is the mean over all
-    examples when every rank sees as many (as `runner.dataset` arranges for
-    training). Place callbacks that read these logs (History, checkpointing on the
-    best value) after it; Keras adds History last by itself. (`model.evaluate`
-    returns its own copy of the logs, which callbacks cannot change: evaluate on
-    `runner.dataset(..., drop_remainder=False)`, which is whole on every rank.)
-
-    Args:
-        hvd: The `horovod.tensorflow` module, initialised.
-    """
-
-    def __init__(self, hvd: ModuleType):
-        super().__init__()
-        self._hvd = hvd
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self._average(logs)
-
-    def on_test_end(self, logs: Any = None) -> None:
-        self._average(logs)
-
-    def _average(self, logs: dict[str, Any] | None) -> None:
-        if not logs:
-            return
-        keys = sorted(key for key, value in logs.items() if _is_scalar(value))
-        if not keys:
-            return
-        local = tf.constant([float(logs[key]) for key in keys], dtype=tf.float64)
-        averaged = self._hvd.allreduce(local, op=self._hvd.Average, name="tfdist_metrics")
-        logs.update(zip(keys, averaged.numpy().tolist()))
-
-
-def _is_scalar(value: Any) -> bool:
-    return isinstance(value, numbers.Real) or (
-        isinstance(value, (np.ndarray, np.generic, tf.Tensor)) and np.size(value) == 1)
-
-
-def _rank_local_sums(variables: Sequence[Any]) -> list[tf.Variable]:
-    """The rank-local variables that add up across ranks: "on read" sums (gradient
-    accumulators, metric totals and counts)."""
-    return [variable for variable in map(tf_variable, variables)
-            if variable.synchronization == tf.VariableSynchronization.ON_READ
-            and variable.aggregation == tf.VariableAggregation.SUM]
-
-
-def tf_variable(variable: Any) -> tf.Variable:
-    """The `tf.Variable` under a Keras 3 variable (Horovod's ops take TensorFlow's own)."""
-    return variable.value if isinstance(variable, keras.Variable) else variable

@@ -20,7 +20,7 @@ import functools
 import json
 import platform
 import sys
-from typing import Callable, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from absl import app, flags, logging
 
@@ -244,11 +244,22 @@ def _patches() -> dict:
         adapter_cls = registry.get(name)
         for patch in (*adapter_cls.patches, *adapter_cls.patches_while_building):
             users.setdefault(patch.name, []).append(name)
+    for patch in patches.HOROVOD:
+        users.setdefault(patch.name, []).append("tfdist.horovod.keras.init()")
     return {"active": patches.active(),
             "all": [{"name": patch.name, "upstream": patch.upstream,
-                     "bug_present": patch.bug_present(),
+                     "bug_present": _bug_present(patch),
                      "applied_by": users.get(patch.name, [])}
                     for patch in patches.registered()]}
+
+
+def _bug_present(patch: Any) -> bool | None:
+    """Whether the installed code still has the bug; None where the component (Horovod)
+    is not installed here."""
+    try:
+        return patch.bug_present()
+    except ImportError:
+        return None
 
 
 def _horovod_build() -> dict:

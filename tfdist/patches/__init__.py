@@ -15,6 +15,8 @@ One module per upstream component:
     keras_optimizer       Keras's TensorFlow optimizer (slots of sharded variables)
     tensorflow_backprop   GradientTape (gradients of sharded variables)
     tensorflow_distribute the strategies (sharded updates, collective keys, CPU replicas)
+    keras_normalization   Keras's synchronized batch statistics (over Horovod's ranks)
+    horovod_tensorflow    horovod.tensorflow (Keras 3 variables in its ops)
 
 Example:
 
@@ -29,8 +31,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from tfdist.patches import (keras_optimizer, keras_trainer, keras_variables,
-                            tensorflow_backprop, tensorflow_distribute)
+from tfdist.patches import (horovod_tensorflow, keras_normalization, keras_optimizer,
+                            keras_trainer, keras_variables, tensorflow_backprop,
+                            tensorflow_distribute)
 from tfdist.patches.base import Patch, registered
 
 # What each strategy applies when its adapter is built.
@@ -47,6 +50,14 @@ PARAMETER_SERVER: tuple[Patch, ...] = (
     keras_trainer.PARAMETER_SERVER_FIT,
     keras_trainer.PARAMETER_SERVER_EVALUATE,
     keras_trainer.PARAMETER_SERVER_PREDICT,
+)
+# The `horovod` adapter, and `tfdist.horovod.keras.init()`.
+HOROVOD: tuple[Patch, ...] = (
+    keras_normalization.HOROVOD_SYNCHRONIZED_MOMENTS,
+    horovod_tensorflow.BROADCAST_VARIABLES,
+    horovod_tensorflow.TAPE_GRADIENT,
+    horovod_tensorflow.TAPE_LOCAL_SOURCE,
+    horovod_tensorflow.TAPE_LOCAL_AND_GLOBAL_GRADIENTS,
 )
 
 
@@ -91,5 +102,5 @@ def by_name(name: str) -> Patch:
                    f"{', '.join(patch.name for patch in registered())}")
 
 
-__all__ = ["MULTI_WORKER", "PARAMETER_SERVER", "Patch", "active", "apply", "by_name",
+__all__ = ["HOROVOD", "MULTI_WORKER", "PARAMETER_SERVER", "Patch", "active", "apply", "by_name",
            "registered", "undo", "undo_all"]

@@ -1,0 +1,138 @@
+"""tfdist.horovod.keras on 2 real ranks (mpirun and horovodrun --gloo), against one device.
+
+The script is a classic Horovod Keras script (tests/scripts/horovod_keras_script.py);
+only its import line differs between tfdist's drop-in and Horovod's own module.
+"""
+
+import json
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import reference
+from tests.conftest import REPO, launcher_command, run_command
+
+SCRIPT = str(REPO / "tests" / "scripts" / "horovod_keras_script.py")
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+import horovod_keras_script as job  # noqa: E402
+
+pytestmark = [pytest.mark.requires_mpi, pytest.mark.requires_horovod, pytest.mark.multiprocess]
+
+
+def run_script(tmp_path, *args, launcher="mpirun"):
+    """Runs the script on 2 ranks; returns (report by rank, weights by rank)."""
+    result = run_command(launcher_command(launcher, sys.executable, SCRIPT, str(tmp_path), *args),
+                         cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    reports = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    weights = {rank: [array for _, array in sorted(
+        np.load(tmp_path / f"rank{rank}.npz").items(), key=lambda item: int(item[0][2:]))]
+        for rank in (0, 1)}
+    return reports, weights
+
+
+def one_device(optimizer, batch=job.GLOBAL_BATCH, passes=1, learning_rate_scale=1.0):
+    """Rank 0's start trained on one device with `batch`-example batches."""
+    keras.backend.clear_session()
+    model = reference.make_model()
+    model.set_weights(reference.initial_weights(100))
+    made = reference.make_optimizer(optimizer)
+    made.learning_rate = float(made.learning_rate.numpy()) * learning_rate_scale
+    model.compile(made, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    features, labels = reference.examples(job.GLOBAL_BATCH * job.STEPS * passes)
+    history = model.fit(tf.data.Dataset.from_tensor_slices((features, labels)).batch(batch),
+                        epochs=job.EPOCHS, verbose=0)
+    return model.get_weights(), history.history
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_classic_horovod_script_equals_one_device(launcher, optimizer, tmp_path):
+    reports, weights = run_script(tmp_path, f"--optimizer={optimizer}", launcher=launcher)
+    expected, history = one_device(optimizer)
+    for rank in (0, 1):
+        assert reference.largest_difference(weights[rank], expected) < reference.TOLERANCE
+        # One grouped allreduce per step, and Keras's own class name.
+        assert reports[rank]["allreduces"] == reports[rank]["iterations"] == job.STEPS * job.EPOCHS
+        assert reports[rank]["optimizer_class"] == type(reference.make_optimizer(optimizer)).__name__
+    # MetricAverageCallback: both ranks log the mean over the global batches.
+    assert reports[0]["history"] == reports[1]["history"]
+    np.testing.assert_allclose(reports[0]["history"]["loss"], history["loss"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_horovods_own_keras_module_leaves_the_ranks_unequal(optimizer, tmp_path):
+    # The bare stack: Horovod's DistributedOptimizer overrides methods Keras 3 never calls,
+    # so nothing is reduced and each rank trains on its own half. No error is raised.
+    # (Its callbacks raise on Keras 3: test_bare_horovod_keras_fails_on_keras_3.)
+    reports, weights = run_script(tmp_path, f"--optimizer={optimizer}", "--same_start",
+                                  "--no_callbacks", "--module=horovod.tensorflow.keras")
+    assert reports[0]["allreduces"] == reports[1]["allreduces"] == 0
+    assert reference.largest_difference(weights[0], weights[1]) > 1e-3
+    expected, _ = one_device(optimizer)
+    assert reference.largest_difference(weights[0], expected) > 1e-3
+
+
+def test_backward_passes_per_step_4_averaged_equals_one_device_at_4x_the_batch(tmp_path):
+    reports, weights = run_script(tmp_path, "--optimizer=adam", "--backward_passes=4",
+                                  "--average_aggregated")
+    expected, _ = one_device("adam", batch=4 * job.GLOBAL_BATCH, passes=4)
+    updates = job.STEPS * job.EPOCHS  # 4 micro-batches each
+    for rank in (0, 1):
+        assert reference.largest_difference(weights[rank], expected) < reference.TOLERANCE
+        assert reports[rank]["allreduces"] == reports[rank]["iterations"] == updates
+
+
+def test_backward_passes_per_step_4_summed_as_horovod_equals_4x_the_learning_rate(tmp_path):
+    # Horovod's default (average_aggregated_gradients=False) applies the sum of the 4.
+    reports, weights = run_script(tmp_path, "--optimizer=sgd", "--backward_passes=4")
+    expected, _ = one_device("sgd", batch=4 * job.GLOBAL_BATCH, passes=4, learning_rate_scale=4.0)
+    for rank in (0, 1):
+        assert reference.largest_difference(weights[rank], expected) < reference.TOLERANCE
+        assert reports[rank]["allreduces"] == job.STEPS * job.EPOCHS
+
+
+def test_mixed_float16_inf_on_one_rank_skips_the_step_on_both(tmp_path):
+    # DistributedOptimizer puts the loss scaling inside, around the reduced gradients: both
+    # ranks see the inf after the allreduce and skip the same steps (Keras's compile would
+    # have put it outside, each rank checking its own gradients before the allreduce).
+    reports, weights = run_script(tmp_path, "--mixed_float16_inf_at=3")
+    assert reports[0]["optimizer_class"] == "LossScaleOptimizer"
+    assert reports[0]["iterations"] == reports[1]["iterations"] < job.STEPS * job.EPOCHS
+    assert reports[0]["finite"] and reports[1]["finite"]
+    assert reference.largest_difference(weights[0], weights[1]) == 0.0
+
+
+@pytest.mark.parametrize("option, allreduces_per_step", [
+    ("groups=2", 2), ("groups=by_layer", 2), ("gradient_predivide_factor=2.0", 1)])
+def test_horovods_reduction_options_still_equal_one_device(option, allreduces_per_step,
+                                                           tmp_path):
+    reports, weights = run_script(tmp_path, "--optimizer=adam", f"--option={option}")
+    expected, _ = one_device("adam")
+    for rank in (0, 1):
+        assert reference.largest_difference(weights[rank], expected) < reference.TOLERANCE
+        assert reports[rank]["allreduces"] == allreduces_per_step * job.STEPS * job.EPOCHS
+
+
+def test_op_sum_equals_one_device_at_twice_the_learning_rate(tmp_path):
+    reports, weights = run_script(tmp_path, "--optimizer=sgd", "--option=op=Sum")
+    expected, _ = one_device("sgd", learning_rate_scale=2.0)
+    for rank in (0, 1):
+        assert reference.largest_difference(weights[rank], expected) < reference.TOLERANCE
+
+
+@pytest.mark.parametrize("option", ["op=Adasum", "compression=fp16"])
+def test_adasum_and_fp16_compression_keep_the_ranks_identical(option, tmp_path):
+    # Neither is an average of float32 gradients: the ranks agree with each other, and
+    # stay near (fp16) or away from (Adasum) one device.
+    reports, weights = run_script(tmp_path, "--optimizer=sgd", f"--option={option}")
+    assert reference.largest_difference(weights[0], weights[1]) == 0.0
+    expected, _ = one_device("sgd")
+    difference = reference.largest_difference(weights[0], expected)
+    if option == "compression=fp16":
+        assert 0.0 < difference < 1e-2
+    else:
+        assert difference > reference.TOLERANCE

@@ -1,0 +1,194 @@
+"""The Horovod collectives a Keras 3 training job needs, shared by both front doors.
+
+The `horovod` adapter (`tfdist.Runner`) and the drop-in `tfdist.horovod.keras`
+reduce gradients, broadcast a model's state and average metrics with the same
+code, here. Only `horovod.tensorflow`'s collectives are used, never its Keras 2
+integration, which Keras 3 never calls (horovod/horovod#4290).
+
+Example:
+
+    hvd = import_horovod()
+    hvd.init()
+    allreduce = gradient_allreduce(hvd, op=hvd.Average)
+    model.compile(GradientReducingOptimizer(keras.optimizers.SGD(0.1), allreduce), "mse")
+    model.fit(x, y, callbacks=[BroadcastState(hvd), AverageMetrics(hvd)])
+"""
+
+from __future__ import annotations
+
+import numbers
+from types import ModuleType
+from typing import Any, Callable, Iterable, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+
+
+def import_horovod() -> ModuleType:
+    """Returns `horovod.tensorflow`, or raises ConfigError saying how to install it."""
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as error:
+        raise ConfigError("Horovod built for this TensorFlow cannot be imported here; run "
+                          "`make setup` (or scripts/install_horovod.sh) in this environment. "
+                          f"Received: {type(error).__name__}: {error}") from None
+    return hvd
+
+
+def tf_variable(variable: Any) -> tf.Variable:
+    """The `tf.Variable` under a Keras 3 variable (Horovod's ops take TensorFlow's own)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
+                       sparse_as_dense: bool = False, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0, process_set: Any = None,
+                       device_dense: str = "", device_sparse: str = "",
+                       ) -> Callable[[list[Any]], list[Any]]:
+    """One grouped (fused) allreduce of a list of gradients.
+
+    Args:
+        hvd: The `horovod.tensorflow` module, initialised.
+        op: `hvd.Average`, `hvd.Sum` or `hvd.Adasum`.
+        compression: `hvd.Compression.none` (None) or `hvd.Compression.fp16`.
+        sparse_as_dense: Reduce `tf.IndexedSlices` as dense tensors (always for
+            Adasum: Horovod allgathers sparse gradients, which Adasum cannot combine).
+        prescale_factor: Multiplies each gradient before the reduction.
+        postscale_factor: Multiplies each result after it.
+        process_set: The ranks that reduce together; None: all of them.
+        device_dense: Where dense gradients are reduced ("": Horovod's default).
+        device_sparse: Where sparse gradients are reduced.
+
+    Returns:
+        A function of a list of gradients (no None) that returns their reductions,
+        in the same order. It runs inside the traced train step.
+    """
+    compression = compression or hvd.Compression.none
+    process_set = process_set or hvd.global_process_set
+    as_dense = sparse_as_dense or op == hvd.Adasum
+    scaling = dict(prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                   device_dense=device_dense, device_sparse=device_sparse)
+
+    def allreduce(grads: list[Any]) -> list[Any]:
+        if as_dense:
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for g in grads]
+        if op == hvd.Adasum:
+            # Horovod 0.28.1's grouped_allreduce fails for Adasum: it reads a loop
+            # variable (`tensor`) that its own loop never set (UnboundLocalError,
+            # horovod/tensorflow/__init__.py). One allreduce per gradient works, and
+            # Horovod's background thread still fuses them into one buffer.
+            return [hvd.allreduce(g, op=op, compression=compression, process_set=process_set,
+                                  **scaling) for g in grads]
+        return hvd.grouped_allreduce(grads, op=op, compression=compression,
+                                     process_set=process_set, **scaling)
+
+    return allreduce
+
+
+class BroadcastState(keras.callbacks.Callback):
+    """Copies one rank's weights and optimizer state to every rank before each fit's first step.
+
+    Replica-local variables (each rank's gradient accumulators) and the variables
+    in `local_variables` are left as they are.
+
+    Before the first step, not at its end as Horovod's Keras 2 callback did, so the
+    first gradients are computed on the same weights everywhere; and at the first
+    batch rather than at `on_train_begin`, so that state restored by callbacks
+    such as `BackupAndRestore` (which restore in `on_train_begin`) is what spreads.
+
+    Args:
+        hvd: The `horovod.tensorflow` module, initialised.
+        root_rank: The rank whose state every rank takes.
+        local_variables: Variables each rank keeps as they are.
+
+    Example:
+
+        model.fit(x, y, callbacks=[BroadcastState(hvd)])
+    """
+
+    def __init__(self, hvd: ModuleType, root_rank: int = 0,
+                 local_variables: Iterable[Any] = ()):
+        super().__init__()
+        self._hvd = hvd
+        self.root_rank = root_rank
+        self._local = {id(tf_variable(variable)) for variable in local_variables}
+        self._pending = False
+
+    def register_local_var(self, variable: Any) -> None:
+        """Leaves `variable` out of the broadcast: each rank keeps its own value."""
+        self._local.add(id(tf_variable(variable)))
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._pending = True
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        state = list(self.model.weights) + (list(optimizer.variables) if optimizer else [])
+        # Replica-local state (gradient accumulators) is each rank's own by design: a
+        # fit that starts in the middle of an accumulation cycle must keep it.
+        shared = [variable for variable in map(tf_variable, state)
+                  if variable.synchronization != tf.VariableSynchronization.ON_READ
+                  and id(variable) not in self._local]
+        self._hvd.broadcast_variables(shared, root_rank=self.root_rank)
+
+
+class AverageMetrics(keras.callbacks.Callback):
+    """Replaces each logged metric by its mean across ranks, at epoch and evaluation ends.
+
+    Every rank's History (and what the chief prints) is then the same. Each rank's
+    value is the mean over its own slices, so the result is the mean over all
+    examples when every rank sees as many (as `runner.dataset` arranges for
+    training). Place callbacks that read these logs (History, checkpointing on the
+    best value) after it; Keras adds History last by itself. (`model.evaluate`
+    returns its own copy of the logs, which callbacks cannot change: evaluate on
+    `runner.dataset(..., drop_remainder=False)`, which is whole on every rank.)
+
+    Args:
+        hvd: The `horovod.tensorflow` module, initialised.
+
+    Example:
+
+        model.fit(x, y, callbacks=[AverageMetrics(hvd)])
+    """
+
+    def __init__(self, hvd: ModuleType):
+        super().__init__()
+        self._hvd = hvd
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._average(logs)
+
+    def on_test_end(self, logs: Any = None) -> None:
+        self._average(logs)
+
+    def _average(self, logs: dict[str, Any] | None) -> None:
+        if not logs:
+            return
+        keys = sorted(key for key, value in logs.items() if _is_scalar(value))
+        if not keys:
+            return
+        local = tf.constant([float(logs[key]) for key in keys], dtype=tf.float64)
+        averaged = self._hvd.allreduce(local, op=self._hvd.Average, name="tfdist_metrics")
+        logs.update(zip(keys, averaged.numpy().tolist()))
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, numbers.Real) or (
+        isinstance(value, (np.ndarray, np.generic, tf.Tensor)) and np.size(value) == 1)
+
+
+def rank_local_sums(variables: Sequence[Any]) -> list[tf.Variable]:
+    """The rank-local variables that add up across ranks: "on read" sums (gradient
+    accumulators, metric totals and counts)."""
+    return [variable for variable in map(tf_variable, variables)
+            if variable.synchronization == tf.VariableSynchronization.ON_READ
+            and variable.aggregation == tf.VariableAggregation.SUM]
