@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,6 +26,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
+from tfdist import bfloat16_probe  # noqa: E402
 from tfdist.callbacks import Throughput  # noqa: E402
 
 FEATURES, WIDTH, CLASSES, BATCH = 1024, 2048, 10, 512
@@ -43,20 +42,6 @@ def build_model() -> keras.Model:
         keras.layers.Dense(CLASSES),
         keras.layers.Activation("softmax", dtype="float32"),
     ])
-
-
-def matmul_gflops(dtype: tf.DType, repeats: int = 20) -> float:
-    """Median GFLOP/s of one square matmul in `dtype`."""
-    a = tf.random.normal((MATMUL_SIZE, MATMUL_SIZE), dtype=tf.float32)
-    a = tf.cast(a, dtype)
-    matmul = tf.function(lambda x: tf.matmul(x, x))
-    matmul(a).numpy()  # warm-up
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a).numpy()
-        seconds.append(time.perf_counter() - start)
-    return 2 * MATMUL_SIZE ** 3 / statistics.median(seconds) / 1e9
 
 
 def main() -> None:
@@ -84,7 +69,9 @@ def main() -> None:
             model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
     # Median rate over rounds after the first, as milliseconds per step.
     step_ms = {p: BATCH / t.examples_per_sec * 1e3 for p, (_, _, t) in runs.items()}
-    gflops = {"float32": matmul_gflops(tf.float32), "bfloat16": matmul_gflops(tf.bfloat16)}
+    # The probe `precision: auto` runs, at a larger size and more rounds (interleaved).
+    probe = bfloat16_probe.measure(size=MATMUL_SIZE, rounds=20)
+    gflops = {"float32": probe.float32_gflops, "bfloat16": probe.bfloat16_gflops}
     speedup = step_ms["float32"] / step_ms["mixed_bfloat16"]
 
     print(f"{'policy':<16} {'ms/step':>9}")

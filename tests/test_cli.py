@@ -74,6 +74,13 @@ def test_env_reports_versions_devices_and_the_auto_choice(tmp_path):
     patches = {patch["name"]: patch for patch in report["patches"]["all"]}
     assert report["patches"]["active"] == []  # nothing is applied until an adapter is built
     assert patches["keras.variables.atomic_assign_add"]["applied_by"] == ["parameter_server"]
+    assert "tfdist.horovod.keras.init()" in patches[
+        "keras.normalization.horovod_synchronized_moments"]["applied_by"]
+    probe = report["bfloat16_probe"]  # probed only where the CPU has bfloat16 instructions
+    assert probe["probed"] is report["cluster"]["cpu_bf16"]
+    if probe["probed"] and not report["cluster"]["gpus"]:
+        assert probe["float32_gflops"] > 0 and probe["bfloat16_gflops"] > 0
+        assert (report["auto"]["precision"] == "mixed_bfloat16") is probe["bfloat16_faster"]
     assert patches["keras.trainer.multi_worker_symbolic_build"]["upstream"].startswith(
         "keras-team/keras#20585")
     assert all(patch["bug_present"] and patch["applied_by"] for patch in patches.values())

@@ -26,7 +26,6 @@ TPU = ClusterInfo(tpu=TpuInfo("local", "TPU VM"))
     (Precision.AUTO, Strategy.MIRRORED, A100, Precision.MIXED_BFLOAT16),
     (Precision.AUTO, Strategy.ONE_DEVICE, V100, Precision.MIXED_FLOAT16),
     (Precision.AUTO, Strategy.MIRRORED, MIXED_GPUS, Precision.MIXED_FLOAT16),
-    (Precision.AUTO, Strategy.ONE_DEVICE, CPU_BF16, Precision.MIXED_BFLOAT16),
     (Precision.AUTO, Strategy.ONE_DEVICE, CPU, Precision.FLOAT32),
 ])
 def test_resolution(requested, strategy, cluster, expected):

@@ -41,8 +41,10 @@ def test_auto_on_this_machine_resolves_to_a_concrete_strategy():
 
 
 def test_save_config_writes_the_resolved_config(tmp_path):
+    from tests.test_bfloat16_probe import EPYC, cluster_with_cached_figures
+
     runner = Runner(load_config(overrides={"strategy": "auto", "precision": "auto"}),
-                    cluster=ClusterInfo(cpu_bf16=True))
+                    cluster=cluster_with_cached_figures(tmp_path / "cache", EPYC))
     path = runner.save_config(tmp_path / "run")
     written = yaml.safe_load(open(path))
     assert written["strategy"] == "one_device"

@@ -135,6 +135,9 @@ class ClusterInfo:
     Args:
         cpu_cores: Cores this process may use.
         cpu_bf16: The CPU has bfloat16 matrix instructions (AVX512_BF16 or AMX).
+        cpu_model: The CPU's model name, as /proc/cpuinfo gives it ("" if unknown).
+        cache_dir: Where tfdist keeps what it measured about this machine
+            ($XDG_CACHE_HOME/tfdist, by default ~/.cache/tfdist).
         gpus: Physical GPUs TensorFlow sees.
         tf_config: The parsed TF_CONFIG, if set.
         slurm: The Slurm task, if inside a job step.
@@ -144,6 +147,8 @@ class ClusterInfo:
 
     cpu_cores: int = 1
     cpu_bf16: bool = False
+    cpu_model: str = ""
+    cache_dir: str = ""
     gpus: tuple[GpuInfo, ...] = ()
     tf_config: TFConfigInfo | None = None
     slurm: SlurmInfo | None = None
@@ -177,6 +182,8 @@ def detect_cluster(environ: Mapping[str, str] | None = None, *, probe_gpus: bool
     return ClusterInfo(
         cpu_cores=_cpu_cores(),
         cpu_bf16=_cpu_has_bf16(cpuinfo_path),
+        cpu_model=_cpu_model(cpuinfo_path),
+        cache_dir=_cache_dir(env),
         gpus=_physical_gpus() if probe_gpus else (),
         tf_config=parse_tf_config(raw_tf_config) if raw_tf_config else None,
         slurm=_slurm(env),
@@ -325,6 +332,23 @@ def _cpu_has_bf16(cpuinfo_path: str) -> bool:
     except OSError:
         pass
     return False
+
+
+def _cpu_model(cpuinfo_path: str) -> str:
+    try:
+        with open(cpuinfo_path, encoding="utf-8") as stream:
+            for line in stream:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir(env: Mapping[str, str]) -> str:
+    base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"),
+                                                     ".cache")
+    return os.path.join(base, "tfdist")
 
 
 def _physical_gpus() -> tuple[GpuInfo, ...]:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+import subprocess
+from typing import Any, Iterator
 
 from tfdist.cluster import ClusterInfo
 from tfdist.config import Precision, Strategy, check_precision_supported
@@ -113,8 +114,9 @@ def resolve_precision(requested: Precision | None, *, strategy: Strategy,
 
     Returns:
         A `PrecisionPolicy`. `auto` gives bfloat16 on TPUs, on GPUs of compute
-        capability 8.0 or more, and on CPUs with AVX512_BF16 or AMX; float16 on
-        older GPUs; float32 otherwise.
+        capability 8.0 or more, and on CPUs with AVX512_BF16 or AMX where a matmul
+        probe (`tfdist.bfloat16_probe`, measured once per machine) finds bfloat16
+        faster; float16 on older GPUs; float32 otherwise.
 
     Raises:
         ConfigError: the strategy cannot run the requested precision.
@@ -136,6 +138,27 @@ def resolve_precision(requested: Precision | None, *, strategy: Strategy,
         return PrecisionPolicy(Precision.MIXED_FLOAT16,
                                f"auto: GPUs of compute capability {min(capabilities)} < 8.0")
     if cluster.cpu_bf16:
-        return PrecisionPolicy(Precision.MIXED_BFLOAT16,
-                               "auto: the CPU has bfloat16 instructions (AVX512_BF16 or AMX)")
+        from tfdist import bfloat16_probe
+
+        try:
+            return cpu_precision(bfloat16_probe.cached_probe(cluster))
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
+            return PrecisionPolicy(Precision.FLOAT32, f"auto: the bfloat16 probe failed "
+                                                      f"({error}); float32")
     return PrecisionPolicy(Precision.FLOAT32, "auto: no bfloat16 or float16 hardware found")
+
+
+def cpu_precision(probe: Any) -> PrecisionPolicy:
+    """`auto` on a CPU with bfloat16 instructions: mixed_bfloat16 only where it measured faster.
+
+    Args:
+        probe: A `tfdist.bfloat16_probe.MatmulProbe` of this machine.
+
+    Example:
+
+        cpu_precision(MatmulProbe(float32_gflops=274, bfloat16_gflops=159)).name  # "float32"
+    """
+    if probe.bfloat16_faster:
+        return PrecisionPolicy(Precision.MIXED_BFLOAT16, f"auto: {probe.describe()}")
+    return PrecisionPolicy(Precision.FLOAT32, f"auto: the CPU has bfloat16 instructions, but "
+                                              f"{probe.describe()}: float32")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
 import sys
 from typing import Any, Callable, NoReturn, Sequence
@@ -228,9 +229,27 @@ def _env() -> None:
         "horovod": _horovod_build(),
         "auto": {"strategy": strategy.value, "why": reason,
                  "precision": precision.name, "precision_why": precision.reason},
+        "bfloat16_probe": _bfloat16_probe(cluster),
         "patches": _patches(),
     }
     print(json.dumps(report, indent=2, default=str))
+
+
+def _bfloat16_probe(cluster: Any) -> dict:
+    """The matmul figures `precision: auto` decided from on this CPU (cached per machine)."""
+    if not cluster.cpu_bf16:
+        return {"probed": False, "why": "the CPU has no bfloat16 instructions"}
+    from tfdist import bfloat16_probe
+
+    try:
+        probe = bfloat16_probe.cached_probe(cluster)
+    except (OSError, RuntimeError) as error:
+        return {"probed": False, "why": str(error)}
+    return {"probed": True, "float32_gflops": round(probe.float32_gflops, 1),
+            "bfloat16_gflops": round(probe.bfloat16_gflops, 1),
+            "speedup": round(probe.speedup, 3), "bfloat16_faster": probe.bfloat16_faster,
+            "min_speedup": bfloat16_probe.MIN_SPEEDUP,
+            "cache": os.path.join(cluster.cache_dir, bfloat16_probe.CACHE_FILE)}
 
 
 def _patches() -> dict:
