@@ -123,7 +123,8 @@ def cached_probe(cluster: Any) -> MatmulProbe:
         cluster: A `tfdist.cluster.ClusterInfo` (the CPU model, cores and cache folder).
 
     Raises:
-        RuntimeError: the child process failed (its last line is in the message).
+        RuntimeError: the child process failed (its last line is in the message) or hung.
+        OSError: the cache folder cannot be written.
     """
     if not cluster.cache_dir:
         return MatmulProbe(**_measure_in_child())
@@ -145,8 +146,12 @@ def cached_probe(cluster: Any) -> MatmulProbe:
 
 
 def _measure_in_child() -> dict[str, float]:
-    child = subprocess.run([sys.executable, "-m", "tfdist.bfloat16_probe"],
-                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    try:
+        child = subprocess.run([sys.executable, "-m", "tfdist.bfloat16_probe"],
+                               capture_output=True, text=True, timeout=300,
+                               stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("the bfloat16 probe did not finish in 300 s") from None
     lines = child.stdout.strip().splitlines()
     if child.returncode != 0 or not lines:
         raise RuntimeError("the bfloat16 probe failed: "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import subprocess
 from typing import Any, Iterator
 
 from tfdist.cluster import ClusterInfo
@@ -142,7 +141,7 @@ def resolve_precision(requested: Precision | None, *, strategy: Strategy,
 
         try:
             return cpu_precision(bfloat16_probe.cached_probe(cluster))
-        except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
+        except (OSError, RuntimeError) as error:
             return PrecisionPolicy(Precision.FLOAT32, f"auto: the bfloat16 probe failed "
                                                       f"({error}); float32")
     return PrecisionPolicy(Precision.FLOAT32, "auto: no bfloat16 or float16 hardware found")

@@ -33,7 +33,7 @@ Example (every rank, under `mpirun -np 2` or `horovodrun -np 2`):
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import keras
 import tensorflow as tf
@@ -44,6 +44,9 @@ from horovod.tensorflow import (Adasum, Average, Sum, ccl_built, cross_rank,  # 
                                 mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
                                 size, start_timeline, stop_timeline)
 from horovod.tensorflow.compression import Compression
+# Horovod's own: they convert a value to a tensor and call horovod.tensorflow, which works on
+# Keras 3 as it is.
+from horovod.tensorflow.keras import allgather, allreduce, broadcast, reducescatter  # noqa: F401
 from horovod.tensorflow.mpi_ops import (ProcessSet, add_process_set,  # noqa: F401
                                         global_process_set, remove_process_set)
 
@@ -331,35 +334,6 @@ def broadcast_global_variables(root_rank: int) -> None:
                       "TensorFlow 2 does not have; use callbacks.BroadcastGlobalVariables"
                       f"Callback({root_rank}) in fit, or horovod.tensorflow.broadcast_variables("
                       f"model.variables, {root_rank}). Received: root_rank={root_rank}")
-
-
-def allreduce(value: Any, name: str | None = None, average: bool | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0, op: Any = None,
-              compression: Any = Compression.none) -> Any:
-    """The reduction of a tensor-compatible value over all ranks (Average by default).
-
-    Example:
-
-        mean_loss = hvd.allreduce(loss).numpy()
-    """
-    return _hvd.allreduce(tf.constant(value, name=name), average=average,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                          op=op, compression=compression)
-
-
-def allgather(value: Any, name: str | None = None) -> Any:
-    """Every rank's value, concatenated along the first dimension in rank order."""
-    return _hvd.allgather(tf.constant(value, name=name))
-
-
-def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
-    """`root_rank`'s value, on every rank."""
-    return _hvd.broadcast(tf.constant(value, name=name), root_rank)
-
-
-def reducescatter(value: Any, name: str | None = None, op: Any = Average) -> Any:
-    """This rank's part of the reduction of `value`, split along the first dimension."""
-    return _hvd.reducescatter(tf.constant(value, name=name), op=op)
 
 
 def load_model(filepath: Any, custom_optimizers: Sequence[type] | None = None,

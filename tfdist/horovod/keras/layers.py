@@ -38,7 +38,5 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             raise ConfigError(f"SyncBatchNormalization does not support fused kernels (their "
                               f"statistics are per device); leave fused=False. "
                               f"Received: fused={fused!r}")
-        kwargs.setdefault("name", None)
-        kwargs["name"] = kwargs["name"] or "sync_batch_normalization"
-        kwargs["synchronized"] = True
-        super().__init__(**kwargs)
+        kwargs["name"] = kwargs.get("name") or "sync_batch_normalization"
+        super().__init__(synchronized=True, **kwargs)
