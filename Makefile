@@ -14,7 +14,7 @@ KERAS ?=
 PYTEST_ARGS ?=
 COMPAT := .compat/keras-$(KERAS)
 
-.PHONY: setup demo test test-fast test-compat bench clean
+.PHONY: setup demo test test-fast test-compat bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -38,14 +38,14 @@ test-compat: setup
 	$(BIN)/python -m pip install -q --no-deps --target $(COMPAT) "keras==$(KERAS)"
 	PYTHONPATH=$(CURDIR)/$(COMPAT) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Every benchmark (each under 5 minutes), then benchmarks/RESULTS.md, its plots and the
+# README's table, written from their results (benchmarks/results/*.json).
 bench: setup
-	$(BIN)/python benchmarks/overhead.py
-	$(BIN)/python benchmarks/precision.py
-	$(BIN)/python benchmarks/scaling.py
-	$(BIN)/python benchmarks/allreduce.py
-	$(BIN)/python benchmarks/accumulation.py
-	$(BIN)/python benchmarks/parameter_server.py
-	$(BIN)/python benchmarks/checkpoint.py
+	$(BIN)/python benchmarks/report.py
+
+# On a GPU machine (make setup TF_BUILD=gpu): ResNet-50 images/s, added to RESULTS.md.
+bench-gpu: setup
+	$(BIN)/python benchmarks/report.py --only gpu
 
 clean:
-	rm -rf $(VENV) .compat tfdist_output benchmarks/results .pytest_cache
+	rm -rf $(VENV) .compat tfdist_output benchmarks/results/*.log .pytest_cache

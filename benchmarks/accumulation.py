@@ -28,7 +28,8 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
+
+from method import emit, epoch_timer, figure
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -66,29 +67,19 @@ def run_setting(args: argparse.Namespace) -> None:
                           args.batch)
     steps_per_epoch = args.updates_per_epoch * args.steps
 
-    class EpochTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.seconds = []
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            self.seconds.append(time.perf_counter() - self.start)
-
-    timer = EpochTimer()
+    timer = epoch_timer()
     model.fit(data, epochs=args.epochs, steps_per_epoch=steps_per_epoch, callbacks=[
         *runner.callbacks(), timer], verbose=0)
-    seconds = statistics.median(timer.seconds[1:])
     if runner.is_chief:
         print(json.dumps({"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                          "samples_per_sec": steps_per_epoch * args.batch / seconds}), flush=True)
+                          "samples_per_sec": [steps_per_epoch * args.batch / seconds
+                                              for seconds in timer.seconds[1:]]}), flush=True)
 
 
 def measure(launcher: list[str], strategy: str, model: str, batch: int, steps: int,
-            args: argparse.Namespace) -> dict[str, float]:
-    """Runs one setting in fresh processes; returns the chief's figures."""
+            args: argparse.Namespace) -> dict:
+    """Runs one setting in fresh processes; returns the chief's peak memory (MB) and
+    samples/s of each epoch after the first."""
     command = [*launcher, sys.executable, os.path.abspath(__file__), f"--run={strategy}",
                f"--model={model}", f"--batch={batch}", f"--steps={steps}",
                f"--epochs={args.epochs}", f"--updates_per_epoch={args.updates_per_epoch}"]
@@ -118,32 +109,45 @@ def main() -> None:
     small = measure([], "one_device", "cnn", b, 1, args)
     accumulated = measure([], "one_device", "cnn", b, K, args)
     large = measure([], "one_device", "cnn", K * b, 1, args)
-    figures = {"benchmark": "accumulation", "micro_batch": b, "k": K,
-               "maxrss_mb": {"b_k1": round(small["maxrss_mb"]),
-                             "b_k8": round(accumulated["maxrss_mb"]),
-                             "8b_k1": round(large["maxrss_mb"])},
-               "memory_ratio_k8_vs_b": round(accumulated["maxrss_mb"] / small["maxrss_mb"], 3),
-               "memory_ratio_8b_vs_b": round(large["maxrss_mb"] / small["maxrss_mb"], 3),
-               "time_ratio_k8_vs_8b": round(large["samples_per_sec"]
-                                            / accumulated["samples_per_sec"], 3)}
+    rate = {name: statistics.median(run["samples_per_sec"])
+            for name, run in (("b", small), ("b_k8", accumulated), ("8b", large))}
+    figures = [
+        figure("memory_ratio_k8_vs_b", f"peak memory: micro-batch {b} x k={K} / batch {b}",
+               [accumulated["maxrss_mb"] / small["maxrss_mb"]], target="<= 1.15"),
+        figure("memory_ratio_8b_vs_b", f"peak memory: batch {K * b} / batch {b} "
+               "(what accumulation avoids)", [large["maxrss_mb"] / small["maxrss_mb"]]),
+        figure("time_ratio_k8_vs_8b", f"time per sample: micro-batch {b} x k={K} / batch {K * b}",
+               [big / acc for big, acc in zip(large["samples_per_sec"],
+                                              accumulated["samples_per_sec"])],
+               target="<= 1.15")]
     print(f"memory (MB): batch {b}: {small['maxrss_mb']:.0f}; micro-batch {b} x {K}: "
           f"{accumulated['maxrss_mb']:.0f}; batch {K * b}: {large['maxrss_mb']:.0f}")
-    print(f"samples/s: micro-batch {b} x {K}: {accumulated['samples_per_sec']:.0f}; "
-          f"batch {K * b}: {large['samples_per_sec']:.0f}")
+    print(f"samples/s: micro-batch {b} x {K}: {rate['b_k8']:.0f}; batch {K * b}: {rate['8b']:.0f}")
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []  # Open MPI refuses root unasked
     launchers = {"multi_worker": [str(os.path.join(os.path.dirname(sys.executable), "tfdist")),
                                   "launch", "-n", "2", "--"]}
     if shutil.which("mpirun"):
         launchers["horovod"] = [shutil.which("mpirun"), *root, "--oversubscribe", "-np", "2"]
+    communication = {}
     for strategy, launcher in launchers.items():
         one = measure(launcher, strategy, "mlp", b, 1, args)
         eight = measure(launcher, strategy, "mlp", b, K, args)
-        speedup = eight["samples_per_sec"] / one["samples_per_sec"]
-        figures[f"speedup_k8_{strategy}"] = round(speedup, 2)
-        print(f"{strategy}, wide MLP, micro-batch {b}: {one['samples_per_sec']:.0f} samples/s "
-              f"(k=1), {eight['samples_per_sec']:.0f} (k={K}): {speedup:.2f}x")
-    print(json.dumps(figures))
-
+        speedup = figure(f"speedup_k8_{strategy}", f"{strategy}, 2 processes, 50 MB of "
+                         f"gradients: samples/s at k={K} / k=1",
+                         [e / o for o, e in zip(one["samples_per_sec"], eight["samples_per_sec"])],
+                         target=">= 1.5")
+        figures.append(speedup)
+        communication[strategy] = {"k1": statistics.median(one["samples_per_sec"]),
+                                   "k8": statistics.median(eight["samples_per_sec"])}
+        print(f"{strategy}, wide MLP, micro-batch {b}: {communication[strategy]['k1']:.0f} "
+              f"samples/s (k=1), {communication[strategy]['k8']:.0f} (k={K}): "
+              f"{speedup.median:.2f}x")
+    emit("accumulation", figures, micro_batch=b, k=K,
+         maxrss_mb={"b_k1": round(small["maxrss_mb"]), "b_k8": round(accumulated["maxrss_mb"]),
+                    "8b_k1": round(large["maxrss_mb"])},
+         samples_per_sec={"cnn": {k: round(v, 1) for k, v in rate.items()},
+                          **{f"mlp_{k}": {kk: round(vv, 1) for kk, vv in v.items()}
+                             for k, v in communication.items()}})
 
 if __name__ == "__main__":
     main()

@@ -3,11 +3,12 @@
 - ring: TensorFlow's collective RING implementation (gRPC), as `multi_worker` uses
   it with `multi_worker.communication: ring`, between 2 workers started by
   `tfdist launch`.
-- horovod: Horovod's `grouped_allreduce` (average) between 2 ranks started by
-  `mpirun`, called directly ("raw") and through the `horovod` adapter's gradient
-  synchronisation ("tfdist": what `runner.optimizer` runs in each train step),
-  interleaved on the same tensors. Also on ResNet-50's 214 gradient tensors
-  (25.6 M parameters, 102 MB) in one grouped call.
+- horovod: Horovod's `allreduce` (average, one per tensor) between 2 ranks started by
+  `mpirun` (MPI) and by `horovodrun --gloo` (Gloo), called directly ("raw") and,
+  under MPI, through the `horovod` adapter's gradient synchronisation ("tfdist":
+  what `runner.optimizer` runs in each train step), interleaved on the same
+  tensors. Also on ResNet-50's 214 gradient tensors (25.6 M parameters, 102 MB),
+  which Horovod's fusion buffer batches.
 - memcpy: a NumPy copy of the same sizes in the parent process, the ceiling for
   moving bytes on this machine.
 
@@ -16,8 +17,9 @@ median time of one all-reduce inside a `tf.function` (warm-up excluded).
 
     .venv/bin/python benchmarks/allreduce.py [--repeats 10]
 
-The last line is JSON: GB/s per size for each column, the tfdist/raw Horovod
-time ratios (raw time over tfdist time: 1.0 means no overhead) and their minimum.
+The last line is JSON: GB/s per size for each column (`series`, with the spread
+of each 64 MB figure), and per size the raw Horovod time over the adapter's in the
+same round (1.0: no overhead; target >= 0.95).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import json
 import os
 import statistics
 import sys
-import time
+
+from method import emit, figure, interleaved
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -57,21 +60,18 @@ def worker(repeats: int) -> None:
                 return summed[0]  # a scalar to wait on, so no copy is timed
             return strategy.run(replica_fn)
 
-        for _ in range(3):  # warm-up: tracing and the collective's first rendezvous
-            float(strategy.experimental_local_results(all_reduce())[0])
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            result = all_reduce()
-            float(strategy.experimental_local_results(result)[0])
-            seconds.append(time.perf_counter() - start)
-        results[str(size_mb)] = size_mb * 2**20 / statistics.median(seconds) / 1e9
+        seconds = interleaved({"ring": lambda: float(
+            strategy.experimental_local_results(all_reduce())[0])}, repeats)["ring"]
+        results[str(size_mb)] = [size_mb * 2**20 / s / 1e9 for s in seconds]
     if runner.is_chief:
         print(json.dumps({"ring": results}), flush=True)
 
 
 def horovod_rank(repeats: int) -> None:
-    """One Horovod rank: raw grouped_allreduce against the adapter's, interleaved."""
+    """One Horovod rank: raw allreduce against the adapter's, interleaved.
+
+    The chief prints GB/s per size and round for each, as JSON.
+    """
     import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
@@ -84,35 +84,32 @@ def horovod_rank(repeats: int) -> None:
     shapes["resnet50"] = [w.shape for w in keras.applications.ResNet50(weights=None)
                           .trainable_weights]
 
-    def timed(fn, tensors):
-        start = time.perf_counter()
-        float(fn(tensors))  # a scalar to wait on, so no copy is timed
-        return time.perf_counter() - start
-
     def first_elements(reduced):
         return tf.add_n([tf.reshape(t, [-1])[0] for t in reduced])
 
-    raw = tf.function(lambda tensors: first_elements(hvd.grouped_allreduce(
-        tensors, op=hvd.Average)))
+    # Horovod's own default, as its DistributedOptimizer calls it: one allreduce per tensor,
+    # fused by its background thread; the adapter's default does the same.
+    raw = tf.function(lambda tensors: first_elements(
+        [hvd.allreduce(tensor, op=hvd.Average) for tensor in tensors]))
     adapter = tf.function(lambda tensors: first_elements(optimizer.reduce(tensors)))
     results = {"raw": {}, "tfdist": {}}
     for name, tensor_shapes in shapes.items():
         tensors = [tf.ones(shape, tf.float32) for shape in tensor_shapes]
         megabytes = sum(t.shape.num_elements() for t in tensors) * 4 / 2**20
-        for _ in range(3):  # warm-up: tracing and Horovod's first negotiation
-            timed(raw, tensors), timed(adapter, tensors)
-        seconds = {"raw": [], "tfdist": []}
-        for _ in range(repeats):
-            seconds["raw"].append(timed(raw, tensors))
-            seconds["tfdist"].append(timed(adapter, tensors))
+        # A scalar read back, so the time is the allreduce's and no copy is timed.
+        seconds = interleaved({"raw": lambda: float(raw(tensors)),
+                               "tfdist": lambda: float(adapter(tensors))}, repeats)
         for column in results:
-            results[column][name] = megabytes * 2**20 / statistics.median(seconds[column]) / 1e9
+            results[column][name] = [megabytes * 2**20 / s / 1e9 for s in seconds[column]]
     if runner.is_chief:
         print(json.dumps({"horovod": results}), flush=True)
 
 
-def run_horovod(repeats: int) -> dict[str, dict[str, float]] | None:
-    """Runs `horovod_rank` on 2 ranks under mpirun; None when Horovod or mpirun is missing."""
+def run_horovod(repeats: int, controller: str) -> dict[str, dict[str, list[float]]] | None:
+    """Runs `horovod_rank` on 2 ranks under mpirun ("mpi") or horovodrun --gloo ("gloo").
+
+    Returns None when Horovod or mpirun is missing.
+    """
     import importlib.util
     import shutil
     import subprocess
@@ -120,31 +117,32 @@ def run_horovod(repeats: int) -> dict[str, dict[str, float]] | None:
     mpirun = shutil.which("mpirun")
     if mpirun is None or importlib.util.find_spec("horovod") is None:
         return None
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []  # Open MPI refuses root unasked
-    result = subprocess.run([mpirun, *root, "--oversubscribe", "-np", "2", sys.executable,
-                             os.path.abspath(__file__), "--horovod_rank",
-                             f"--repeats={repeats}"],
-                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    lines = [line for line in result.stdout.splitlines() if line.startswith('{"horovod"')]
+    rank = [sys.executable, os.path.abspath(__file__), "--horovod_rank", f"--repeats={repeats}"]
+    if controller == "gloo":
+        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        command = [horovodrun, "--gloo", "-np", "2", "-H", "localhost:2", *rank]
+    else:
+        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []  # Open MPI refuses root unasked
+        command = [mpirun, *root, "--oversubscribe", "-np", "2", *rank]
+    result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    # horovodrun prefixes each rank's lines with "[rank]<stdout>:".
+    lines = [line[line.index('{"horovod"'):] for line in result.stdout.splitlines()
+             if '{"horovod"' in line]
     if result.returncode != 0 or not lines:
-        raise SystemExit(f"the Horovod ranks failed:\n{(result.stdout + result.stderr)[-3000:]}")
+        raise SystemExit(f"the Horovod ranks ({controller}) failed:\n"
+                         f"{(result.stdout + result.stderr)[-3000:]}")
     return json.loads(lines[-1])["horovod"]
 
 
-def memcpy_gbps(repeats: int) -> dict[str, float]:
+def memcpy_gbps(repeats: int) -> dict[str, list[float]]:
     import numpy as np
 
     results = {}
     for size_mb in SIZES_MB:
         source = np.ones(size_mb * 2**20 // 4, np.float32)
         target = np.empty_like(source)
-        np.copyto(target, source)
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            np.copyto(target, source)
-            seconds.append(time.perf_counter() - start)
-        results[str(size_mb)] = size_mb * 2**20 / statistics.median(seconds) / 1e9
+        seconds = interleaved({"memcpy": lambda: np.copyto(target, source)}, repeats)["memcpy"]
+        results[str(size_mb)] = [size_mb * 2**20 / s / 1e9 for s in seconds]
     return results
 
 
@@ -170,33 +168,41 @@ def main() -> None:
     if status != 0 or not lines:
         raise SystemExit(f"the workers failed:\n{output.getvalue()[-3000:]}")
     ring = json.loads(lines[-1])["ring"]
-    horovod = run_horovod(args.repeats)
+    horovod = run_horovod(args.repeats, "mpi")
+    gloo = run_horovod(args.repeats, "gloo")
     memcpy = memcpy_gbps(args.repeats)
-    figures = {"benchmark": "allreduce", "processes": 2,
-               "ring_gbps": {k: round(v, 3) for k, v in ring.items()},
-               "memcpy_gbps": {k: round(v, 2) for k, v in memcpy.items()},
-               "ring_64mb_gbps": round(ring["64"], 3),
-               "memcpy_64mb_gbps": round(memcpy["64"], 2)}
-    print(f"{'MB':>8} {'TF RING':>8} {'Horovod':>8} {'tfdist':>8} {'ratio':>6} {'memcpy':>7}"
-          "   (GB/s; ratio: raw Horovod time / tfdist time)")
-    for size in [*ring, *(["resnet50"] if horovod else [])]:
-        row = f"{size:>8} {ring[size]:>8.3f}" if size in ring else f"{size:>8} {'':>8}"
-        if horovod:
-            raw, ours = horovod["raw"][size], horovod["tfdist"][size]
-            row += f" {raw:>8.3f} {ours:>8.3f} {ours / raw:>6.3f}"
-        row += f" {memcpy[size]:>7.2f}" if size in memcpy else ""
-        print(row)
+    columns = {"TF RING": ring, "memcpy": memcpy}
     if horovod:
-        ratios = {size: round(horovod["tfdist"][size] / horovod["raw"][size], 3)
-                  for size in horovod["raw"]}
-        figures.update({
-            "horovod_raw_gbps": {k: round(v, 3) for k, v in horovod["raw"].items()},
-            "horovod_tfdist_gbps": {k: round(v, 3) for k, v in horovod["tfdist"].items()},
-            "horovod_ratios": ratios, "horovod_min_ratio": min(ratios.values()),
-            "horovod_64mb_gbps": round(horovod["raw"]["64"], 3),
-            "horovod_over_ring_64mb": round(horovod["raw"]["64"] / ring["64"], 2)})
-    print(json.dumps(figures))
-
+        columns.update({"Horovod/MPI": horovod["raw"], "Horovod/Gloo": gloo["raw"],
+                        "tfdist horovod": horovod["tfdist"]})
+    series = {column: {size: statistics.median(gbps) for size, gbps in values.items()}
+              for column, values in columns.items()}
+    print(f"{'MB':>8} " + " ".join(f"{column:>14}" for column in series) + "   (GB/s)")
+    for size in [*ring, *(["resnet50"] if horovod else [])]:
+        print(f"{size:>8} " + " ".join(
+            f"{values[size]:>14.3f}" if size in values else f"{'':>14}"
+            for values in series.values()))
+    figures = [figure("ring_64mb_gbps", "TF collective RING (gRPC), 64 MB, 2 processes",
+                      ring["64"], unit="GB/s"),
+               figure("memcpy_64mb_gbps", "NumPy copy, 64 MB", memcpy["64"], unit="GB/s")]
+    if horovod:
+        figures += [
+            figure("horovod_64mb_gbps", "Horovod allreduce (MPI), 64 MB, 2 ranks",
+                   horovod["raw"]["64"], unit="GB/s"),
+            figure("gloo_64mb_gbps", "Horovod allreduce (Gloo), 64 MB, 2 ranks",
+                   gloo["raw"]["64"], unit="GB/s"),
+            *(figure(f"horovod_ratio_{size}", f"horovod adapter / raw Horovod, {size}"
+                     f"{' MB' if size != 'resnet50' else ' (214 tensors)'}: raw time / "
+                     "adapter time", [ours / raw for raw, ours in zip(horovod["raw"][size],
+                                                                      horovod["tfdist"][size])],
+                     target=">= 0.95") for size in horovod["raw"])]
+    ratios = [f.median for f in figures if f.name.startswith("horovod_ratio_")]
+    emit("allreduce", figures, processes=2, repeats=args.repeats,
+         series={column: {size: round(v, 4) for size, v in values.items()}
+                 for column, values in series.items()},
+         **({"horovod_min_ratio": round(min(ratios), 4),
+             "horovod_over_ring_64mb": round(series["Horovod/MPI"]["64"]
+                                             / series["TF RING"]["64"], 2)} if ratios else {}))
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@
    against without it, interleaved, median of 200 each) and the check at each step
    boundary (reading the vote), in microseconds.
 
-    .venv/bin/python benchmarks/checkpoint.py [--rounds 9] [--steps 40]
+    .venv/bin/python benchmarks/checkpoint.py [--rounds 15] [--steps 40]
 
 The last line is JSON: `ratio_one_device` and `ratio_mirrored` (with / without the
 callback; target <= 1.01), `save_ms`, `horovod_vote_us` and `horovod_check_us` (0 when
@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
+from method import emit, figure, interleaved  # noqa: E402
 from tfdist.callbacks import Throughput  # noqa: E402
 from tfdist.devices import split_cpu  # noqa: E402
 
@@ -84,11 +85,13 @@ def step_overhead(strategy_name: str, rounds: int, steps: int, folder: str) -> d
             model.fit(dataset, initial_epoch=epoch, epochs=epoch + 1, verbose=0,
                       callbacks=[timers[name], *callbacks])
     step = {name: BATCH / timer.examples_per_sec for name, timer in timers.items()}
+    ratios = [without / with_ for with_, without in zip(timers["with"].epoch_rates[1:],
+                                                        timers["without"].epoch_rates[1:])]
     return {"with_ms": step["with"] * 1e3, "without_ms": step["without"] * 1e3,
-            "ratio": step["with"] / step["without"]}
+            "ratios": ratios}
 
 
-def save_milliseconds(folder: str, repeats: int = 10) -> float:
+def save_milliseconds(folder: str, repeats: int = 10) -> list[float]:
     from tfdist.checkpointing import CheckpointStore, TrainingPosition
 
     model = build_model()
@@ -97,12 +100,9 @@ def save_milliseconds(folder: str, repeats: int = 10) -> float:
     store = CheckpointStore(os.path.join(folder, "saves"), {
         "model": list(model.variables), "optimizer": optimizer,
         "position": TrainingPosition()}, is_writer=True, keep=3)
-    times = []
-    for number in range(repeats + 1):
-        started = time.perf_counter()
-        store.save(number)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:]) * 1e3
+    numbers = iter(range(repeats + 1))
+    seconds = interleaved({"save": lambda: store.save(next(numbers))}, repeats, warmup=1)
+    return [s * 1e3 for s in seconds["save"]]
 
 
 def horovod_vote_microseconds() -> tuple[float, float]:
@@ -155,7 +155,7 @@ def vote(folder: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=9,
+    parser.add_argument("--rounds", type=int, default=15,
                         help="epochs per variant; the first is warm-up")
     parser.add_argument("--steps", type=int, default=40, help="steps per epoch")
     parser.add_argument("--vote", metavar="FOLDER", help=argparse.SUPPRESS)
@@ -171,23 +171,22 @@ def main() -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     vote_us, check_us = horovod_vote_microseconds()
+    figures = [figure(f"ratio_{name}", f"{name}: step time with the checkpoint callback / "
+                      "without (saves not timed)", result["ratios"], target="<= 1.01",
+                      interval=True) for name, result in results.items()]
+    save = figure("save_ms", "one atomic save, model + Adam slots", save_ms, unit="ms")
     print(f"{'strategy':<12} {'with ms/step':>13} {'without ms/step':>16} {'ratio':>7}")
-    for name, figures in results.items():
-        print(f"{name:<12} {figures['with_ms']:>13.2f} {figures['without_ms']:>16.2f} "
-              f"{figures['ratio']:>7.3f}")
+    for (name, result), ratio in zip(results.items(), figures):
+        print(f"{name:<12} {result['with_ms']:>13.2f} {result['without_ms']:>16.2f} "
+              f"{ratio.median:>7.3f}")
     print(f"one save (model + Adam slots, {sum(v.numpy().size for v in build_model().variables)}"
-          f" parameters): {save_ms:.1f} ms")
+          f" parameters): {save.median:.1f} ms")
     print(f"horovod, 2 ranks: the vote adds {vote_us:.0f} us to a 1 MB gradient allreduce; "
           f"the check at a step boundary takes {check_us:.0f} us")
-    print(json.dumps({
-        "benchmark": "checkpoint", "rounds": args.rounds, "steps_per_epoch": args.steps,
-        **{f"ratio_{name}": round(figures["ratio"], 4) for name, figures in results.items()},
-        **{f"step_ms_{name}": {k: round(v, 3) for k, v in figures.items() if k != "ratio"}
-           for name, figures in results.items()},
-        "save_ms": round(save_ms, 2), "horovod_vote_us": round(vote_us, 1),
-        "horovod_check_us": round(check_us, 1),
-    }))
-
+    emit("checkpoint", [*figures, save], rounds=args.rounds, steps_per_epoch=args.steps,
+         **{f"step_ms_{name}": {k: round(v, 3) for k, v in result.items() if k != "ratios"}
+            for name, result in results.items()},
+         horovod_vote_us=round(vote_us, 1), horovod_check_us=round(check_us, 1))
 
 if __name__ == "__main__":
     main()

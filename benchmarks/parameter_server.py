@@ -28,26 +28,13 @@ import subprocess
 import sys
 import time
 
+from method import emit, epoch_timer, figure
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 STEPS_PER_EXECUTION = (1, 10, 100)
 BATCH = 64
-
-
-class _EpochTimer:
-    def __init__(self):
-        import keras
-
-        class Timer(keras.callbacks.Callback):
-            def on_epoch_begin(inner, epoch, logs=None):
-                inner.start = time.perf_counter()
-
-            def on_epoch_end(inner, epoch, logs=None):
-                self.seconds.append(time.perf_counter() - inner.start)
-
-        self.seconds: list[float] = []
-        self.callback = Timer()
 
 
 def raw_function(strategy, model, steps):
@@ -109,14 +96,14 @@ def measure_on_chief(args: argparse.Namespace) -> None:
                     coordinator.schedule(raw_steps, args=(iterator,))
                 coordinator.join()
                 raw.append(args.steps / (time.perf_counter() - start))
-            timer = _EpochTimer()
+            timer = epoch_timer()
             model.fit(data, epochs=args.repeats + 1, steps_per_epoch=args.steps,
-                      callbacks=[timer.callback], verbose=0)
+                      callbacks=[timer], verbose=0)
             fitted.extend(args.steps / seconds for seconds in timer.seconds)
         # Warm-up excluded: the first block of each round.
-        raw_rate = statistics.median(raw[1:args.repeats + 1] + raw[args.repeats + 2:])
-        fit_rate = statistics.median(fitted[1:args.repeats + 1] + fitted[args.repeats + 2:])
-        results[spe] = {"raw": raw_rate, "tfdist": fit_rate, "ratio": fit_rate / raw_rate}
+        raw_rates = raw[1:args.repeats + 1] + raw[args.repeats + 2:]
+        fit_rates = fitted[1:args.repeats + 1] + fitted[args.repeats + 2:]
+        results[spe] = {"raw": raw_rates, "tfdist": fit_rates}
     if runner.is_chief:
         print(json.dumps(results), flush=True)
 
@@ -152,17 +139,25 @@ def main() -> None:
     if args.measure:
         measure_on_chief(args)
         return
-    figures = {}
+    figures, series = [], {}
     print(f"{'workers':>7} {'spe':>4} {'raw steps/s':>12} {'tfdist steps/s':>15} {'ratio':>6}")
     for workers in args.workers or [1, 2]:
         for spe, result in run_cluster(workers, args).items():
-            print(f"{workers:>7} {spe:>4} {result['raw']:>12.1f} {result['tfdist']:>15.1f} "
-                  f"{result['ratio']:>6.3f}", flush=True)
-            for key, value in result.items():
-                figures[f"w{workers}_spe{spe}_{key}"] = round(value, 4)
-    figures["min_ratio"] = min(value for key, value in figures.items() if key.endswith("ratio"))
-    print(json.dumps(figures))
-
+            # Block i of tfdist against block i of the raw loop, from the same round.
+            ratio = figure(f"w{workers}_spe{spe}_ratio", f"{workers} worker(s), "
+                           f"steps_per_execution {spe}: tfdist / raw ClusterCoordinator, steps/s",
+                           [ours / raw for raw, ours in zip(result["raw"], result["tfdist"])],
+                           target=">= 0.95")
+            figures.append(ratio)
+            series[f"w{workers}_spe{spe}"] = {
+                name: round(statistics.median(rates), 2) for name, rates in result.items()}
+            print(f"{workers:>7} {spe:>4} {series[f'w{workers}_spe{spe}']['raw']:>12.1f} "
+                  f"{series[f'w{workers}_spe{spe}']['tfdist']:>15.1f} {ratio.median:>6.3f}",
+                  flush=True)
+    emit("parameter_server", figures, steps=args.steps, repeats=args.repeats,
+         steps_per_sec=series, min_ratio=round(min(f.median for f in figures), 4),
+         **{f"{key}_{name}": value for key, rates in series.items()
+            for name, value in rates.items()})
 
 if __name__ == "__main__":
     main()

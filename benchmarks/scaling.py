@@ -22,6 +22,8 @@ import os
 import statistics
 import sys
 
+from method import emit, figure
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -109,17 +111,21 @@ def main() -> None:
             rates[workers].append(result["examples_per_sec"])
             parameters = result["parameters"]
     one, two = statistics.median(rates[1]), statistics.median(rates[2])
-    efficiency = two / (2 * one)
+    # One efficiency per repeat: its 2-worker run over the 1-worker run just before it.
+    efficiency = figure("efficiency", "multi_worker weak scaling: 2 workers / (2 x 1 worker), "
+                        "examples/s (2 pinned cores; see the sync cost projection)",
+                        [pair / (2 * single) for single, pair in zip(rates[1], rates[2])],
+                        target=">= 0.85")
     print(f"{'workers':>7} {'examples/s':>11}   (per-worker batch {PER_WORKER_BATCH}, "
           f"{parameters} parameters)")
     print(f"{1:>7} {one:>11.1f}")
     print(f"{2:>7} {two:>11.1f}")
-    print(f"weak-scaling efficiency: {efficiency:.3f}")
-    print(json.dumps({"benchmark": "scaling", "efficiency": round(efficiency, 3),
-                      "examples_per_sec": {"1": round(one, 1), "2": round(two, 1)},
-                      "per_worker_batch": PER_WORKER_BATCH, "repeats": args.repeats,
-                      "runs": {str(k): [round(v, 1) for v in vs] for k, vs in rates.items()}}))
-
+    print(f"weak-scaling efficiency: {efficiency.median:.3f} "
+          f"({efficiency.low:.3f}-{efficiency.high:.3f})")
+    emit("scaling", [efficiency],
+         examples_per_sec={"1": round(one, 1), "2": round(two, 1)},
+         per_worker_batch=PER_WORKER_BATCH, repeats=args.repeats,
+         runs={str(k): [round(v, 1) for v in vs] for k, vs in rates.items()})
 
 if __name__ == "__main__":
     main()

@@ -37,8 +37,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
 
-echo "setup: installing tfdist[$TF_BUILD,test] into $VENV"
-"$VENV/bin/python" -m pip install -q -e ".[$TF_BUILD,test]"
+echo "setup: installing tfdist[$TF_BUILD,test,bench] into $VENV"
+"$VENV/bin/python" -m pip install -q -e ".[$TF_BUILD,test,bench]"
 "$VENV/bin/python" -c "import tensorflow as tf, keras; print(f'setup: TensorFlow {tf.__version__}, Keras {keras.__version__}')"
 
 # Horovod, built against this TensorFlow (see the script for why); cached after the first

@@ -1,36 +1,117 @@
-"""Each benchmark runs and ends with its JSON line. Nothing here is timed or compared."""
+"""Each benchmark runs in a reduced form and ends with its JSON line; the report renders them.
 
+Nothing here is timed or compared: the checks are that every figure a benchmark
+promises is there, finite, inside its own spread, and that ratios are positive.
+"""
+
+import json
+import math
 import sys
 
 import pytest
 
 from tests.conftest import REPO, last_json_line, run_command
 
+needs_horovod = [pytest.mark.requires_mpi, pytest.mark.requires_horovod]
+QUICK_SYNC_COST = ["--repeats", "1", "--models", "0.1", "--fit_mb", "0.03125", "--fit_mb", "0.25"]
+
+
+def run_benchmark(script, args, cwd, timeout=240):
+    result = run_command([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=cwd,
+                         timeout=timeout)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return last_json_line(result.stdout)
+
+
+def check_figures(figures, keys):
+    assert keys <= set(figures), keys - set(figures)
+    assert all(value > 0 for key, value in figures.items()
+               if key in keys and isinstance(value, (int, float)))
+    for figure in figures["figures"]:
+        numbers = (figure["low"], figure["median"], figure["high"])
+        assert all(math.isfinite(value) for value in numbers), figure
+        assert figure["low"] <= figure["median"] <= figure["high"], figure
+        assert figure["samples"] >= 1
+        if figure["unit"] == "x" and "error" not in figure["name"]:
+            assert figure["median"] > 0, figure
+        if figure["target"]:
+            assert isinstance(figure["met"], bool)
+
 
 @pytest.mark.parametrize("script, args, keys", [
-    ("overhead.py", ["--rounds", "2", "--steps", "2"], {"ratio_one_device", "ratio_mirrored"}),
-    ("precision.py", ["--rounds", "2", "--steps", "2"], {"speedup_bf16", "matmul_gflops"}),
+    ("overhead.py", ["--rounds", "3", "--steps", "2"], {"ratio_one_device", "ratio_mirrored"}),
+    ("precision.py", ["--rounds", "2", "--steps", "2"], {"speedup_bf16", "matmul_speedup_bf16"}),
     ("scaling.py", ["--repeats", "1", "--epochs", "2", "--steps", "2"], {"efficiency"}),
     pytest.param("allreduce.py", ["--repeats", "2"],
-                 {"ring_64mb_gbps", "memcpy_64mb_gbps", "horovod_64mb_gbps", "horovod_min_ratio"},
-                 marks=[pytest.mark.requires_mpi, pytest.mark.requires_horovod]),
+                 {"ring_64mb_gbps", "memcpy_64mb_gbps", "horovod_64mb_gbps", "gloo_64mb_gbps",
+                  "horovod_ratio_resnet50", "horovod_min_ratio"}, marks=needs_horovod),
+    pytest.param("sync_cost.py", QUICK_SYNC_COST,
+                 {f"{strategy}_0.1mb_{figure}" for strategy in ("mirrored", "multi_worker",
+                                                               "horovod")
+                  for figure in ("ratio", "model_error")}, marks=needs_horovod),
+    pytest.param("overlap.py", ["--epochs", "2", "--steps", "1", "--model", "small"],
+                 {"horovod_per_tensor_over_grouped", "multi_worker_packed_over_one_pack"},
+                 marks=needs_horovod),
     pytest.param("accumulation.py",
                  ["--micro_batch", "8", "--epochs", "2", "--updates_per_epoch", "1"],
                  {"memory_ratio_k8_vs_b", "time_ratio_k8_vs_8b", "speedup_k8_multi_worker",
-                  "speedup_k8_horovod"}, marks=[pytest.mark.requires_mpi, pytest.mark.requires_horovod]),
+                  "speedup_k8_horovod"}, marks=needs_horovod),
     ("parameter_server.py", ["--steps", "10", "--repeats", "1", "--spe", "1", "--spe", "10",
                              "--workers", "1"],
      {"w1_spe1_ratio", "w1_spe10_ratio", "w1_spe10_raw", "w1_spe10_tfdist", "min_ratio"}),
-    pytest.param("checkpoint.py", ["--rounds", "2", "--steps", "2"],
-                 {"ratio_one_device", "ratio_mirrored", "save_ms", "horovod_check_us"}, marks=[pytest.mark.requires_mpi, pytest.mark.requires_horovod]),
+    pytest.param("checkpoint.py", ["--rounds", "3", "--steps", "2"],
+                 {"ratio_one_device", "ratio_mirrored", "save_ms", "horovod_check_us"},
+                 marks=needs_horovod),
+    ("gpu.py", ["--cpu", "--only", "1", "--image", "32", "--batch", "4", "--iters", "2",
+                "--batches_per_iter", "1"], {"images_per_sec_one_device_float32"}),
 ])
 @pytest.mark.multiprocess
 @pytest.mark.benchmark
 def test_benchmark_prints_its_figures(script, args, keys, tmp_path):
-    result = run_command([sys.executable, str(REPO / "benchmarks" / script), *args],
-                         cwd=tmp_path, timeout=240)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    figures = last_json_line(result.stdout)
-    assert keys <= set(figures)
-    assert all(value > 0 for key, value in figures.items()
-               if key in keys and isinstance(value, (int, float)))
+    check_figures(run_benchmark(script, args, tmp_path), keys)
+
+
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
+@pytest.mark.benchmark
+def test_projection_from_a_measured_sync_cost(tmp_path):
+    sync_cost = run_benchmark("sync_cost.py", [*QUICK_SYNC_COST, "--strategies", "horovod"],
+                              tmp_path)
+    (tmp_path / "sync_cost.json").write_text(json.dumps(sync_cost))
+    figures = run_benchmark("projection.py", ["--sync_cost", str(tmp_path / "sync_cost.json"),
+                                              "--batch", "1", "--steps", "1"], tmp_path)
+    check_figures(figures, {"resnet50_128_workers_25gbit", "resnet50_128_workers_25gbit_k4"})
+    for row in figures["efficiency"].values():  # more workers never scale better
+        assert len(row) == 4 and all(0 < b <= a <= 1 for a, b in zip(row, row[1:]))
+    assert figures["resnet50_128_workers_25gbit_k4"] > figures["resnet50_128_workers_25gbit"]
+
+
+@pytest.mark.benchmark
+def test_projection_without_a_sync_cost_says_what_to_run(tmp_path):
+    result = run_command([sys.executable, str(REPO / "benchmarks" / "projection.py"),
+                          "--sync_cost", str(tmp_path / "absent.json")], cwd=tmp_path)
+    assert result.returncode == 1
+    assert "report.py --only sync_cost" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.benchmark
+def test_report_renders_every_figure_and_what_was_not_measured(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, args in (("precision", ["--rounds", "2", "--steps", "2"]), ("gpu", [])):
+        line = run_benchmark(f"{name}.py", args, tmp_path)
+        (results / f"{name}.json").write_text(json.dumps({**line, "run": {
+            "seconds": 1.0, "steal": 0.0, "status": 0, "finished": "now"}}))
+    result = run_command([sys.executable, str(REPO / "benchmarks" / "report.py"), "--render",
+                          "--results_dir", str(results), "--output_dir", str(tmp_path)],
+                         cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    page = (tmp_path / "RESULTS.md").read_text()
+    precision = json.loads((results / "precision.json").read_text())
+    for figure in precision["figures"]:
+        assert figure["label"] in page
+    assert "Not measured: no GPU" in page
+    assert "Not run yet" in page  # the benchmarks this test did not run are named, not dropped
+    assert (tmp_path / "plots" / "precision.png").stat().st_size > 1000

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tfdist.cluster import ClusterInfo, detect_cluster, parse_tf_config
+from tfdist.cluster import ClusterInfo, cpu_steal_fraction, detect_cluster, parse_tf_config
 from tfdist.errors import ConfigError
 
 
@@ -117,3 +117,27 @@ def test_slurm_task_count_that_does_not_match_the_nodes():
            "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
     with pytest.raises(ConfigError, match="4 task slots on n\\[1-2\\] but 3 tasks"):
         detect(env).slurm.worker_addresses()
+
+
+def test_last_level_cache_size_from_sysfs(tmp_path):
+    for index, (level, size) in enumerate([(1, "48K"), (1, "32K"), (2, "2048K"), (3, "32768K")]):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        (folder / "level").write_text(f"{level}\n")
+        (folder / "size").write_text(f"{size}\n")
+    info = detect_cluster({}, probe_gpus=False, cpu_cache_dir=str(tmp_path))
+    assert info.cpu_cache_bytes == 32 * 2**20
+    assert detect_cluster({}, probe_gpus=False,
+                          cpu_cache_dir=str(tmp_path / "absent")).cpu_cache_bytes == 0
+
+
+def test_steal_fraction_between_two_readings(tmp_path):
+    stat = tmp_path / "stat"
+    #                user nice system idle iowait irq softirq steal
+    stat.write_text("cpu  100 0 50 800 0 0 0 50 0 0\ncpu0 1 2 3\n")
+    since_boot, counters = cpu_steal_fraction(stat_path=str(stat))
+    assert since_boot == pytest.approx(50 / 1000) and counters == (50, 1000)
+    stat.write_text("cpu  150 0 50 1000 0 0 0 100 0 0\n")
+    steal, _ = cpu_steal_fraction(since=counters, stat_path=str(stat))
+    assert steal == pytest.approx(50 / 300)
+    assert cpu_steal_fraction(stat_path=str(tmp_path / "absent")) == (0.0, (0, 0))

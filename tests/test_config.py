@@ -113,3 +113,12 @@ def test_empty_file_is_the_defaults(tmp_path):
 def test_every_key_has_help():
     for key in config_keys():
         assert field_help(key), key
+
+
+def test_gradient_grouping_options():
+    config = load_config(overrides={"multi_worker.bytes_per_pack": 25 << 20,
+                                    "horovod.grouped": True})
+    assert (config.multi_worker.bytes_per_pack, config.horovod.grouped) == (25 << 20, True)
+    assert (Config().multi_worker.bytes_per_pack, Config().horovod.grouped) == (0, False)
+    with pytest.raises(ConfigError, match="multi_worker.bytes_per_pack"):
+        load_config(overrides={"multi_worker.bytes_per_pack": -1})

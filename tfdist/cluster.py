@@ -136,6 +136,7 @@ class ClusterInfo:
         cpu_cores: Cores this process may use.
         cpu_bf16: The CPU has bfloat16 matrix instructions (AVX512_BF16 or AMX).
         cpu_model: The CPU's model name, as /proc/cpuinfo gives it ("" if unknown).
+        cpu_cache_bytes: The size of the CPU's last-level cache (0 if unknown).
         cache_dir: Where tfdist keeps what it measured about this machine
             ($XDG_CACHE_HOME/tfdist, by default ~/.cache/tfdist).
         gpus: Physical GPUs TensorFlow sees.
@@ -148,6 +149,7 @@ class ClusterInfo:
     cpu_cores: int = 1
     cpu_bf16: bool = False
     cpu_model: str = ""
+    cpu_cache_bytes: int = 0
     cache_dir: str = ""
     gpus: tuple[GpuInfo, ...] = ()
     tf_config: TFConfigInfo | None = None
@@ -161,7 +163,8 @@ class ClusterInfo:
 
 
 def detect_cluster(environ: Mapping[str, str] | None = None, *, probe_gpus: bool = True,
-                   cpuinfo_path: str = "/proc/cpuinfo", dev_dir: str = "/dev") -> ClusterInfo:
+                   cpuinfo_path: str = "/proc/cpuinfo", dev_dir: str = "/dev",
+                   cpu_cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> ClusterInfo:
     """Reads the environment once and returns what it says.
 
     Args:
@@ -170,6 +173,7 @@ def detect_cluster(environ: Mapping[str, str] | None = None, *, probe_gpus: bool
             start its runtime, so devices can still be configured afterwards).
         cpuinfo_path: Where the CPU's flags are listed.
         dev_dir: Where a TPU VM's accelerator device files are.
+        cpu_cache_dir: Where Linux describes the first CPU's caches.
 
     Returns:
         A `ClusterInfo`.
@@ -183,6 +187,7 @@ def detect_cluster(environ: Mapping[str, str] | None = None, *, probe_gpus: bool
         cpu_cores=_cpu_cores(),
         cpu_bf16=_cpu_has_bf16(cpuinfo_path),
         cpu_model=_cpu_model(cpuinfo_path),
+        cpu_cache_bytes=_last_level_cache_bytes(cpu_cache_dir),
         cache_dir=_cache_dir(env),
         gpus=_physical_gpus() if probe_gpus else (),
         tf_config=parse_tf_config(raw_tf_config) if raw_tf_config else None,
@@ -343,6 +348,53 @@ def _cpu_model(cpuinfo_path: str) -> str:
     except OSError:
         pass
     return ""
+
+
+def _last_level_cache_bytes(cpu_cache_dir: str) -> int:
+    """The largest cache of the highest level sysfs lists ("32768K" -> 33554432)."""
+    caches = []
+    try:
+        for index in os.listdir(cpu_cache_dir):
+            folder = os.path.join(cpu_cache_dir, index)
+            if not index.startswith("index"):
+                continue
+            with open(os.path.join(folder, "level")) as level, \
+                    open(os.path.join(folder, "size")) as size:
+                text = size.read().strip()
+                scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+                caches.append((int(level.read()), int(text.rstrip("KMG")) * scale))
+    except (OSError, ValueError):
+        return 0
+    return max(caches)[1] if caches else 0
+
+
+def cpu_steal_fraction(since: tuple[int, int] | None = None,
+                       stat_path: str = "/proc/stat") -> tuple[float, tuple[int, int]]:
+    """The share of CPU time the hypervisor gave to other machines (steal time).
+
+    Args:
+        since: The counters a previous call returned; None: since boot.
+        stat_path: Where Linux counts CPU time.
+
+    Returns:
+        (steal / total over the interval, the counters now) — (0.0, (0, 0)) where
+        the counters cannot be read.
+
+    Example:
+        _, start = cpu_steal_fraction()
+        ...  # the run
+        steal, _ = cpu_steal_fraction(since=start)
+    """
+    try:
+        with open(stat_path) as stream:
+            ticks = [int(value) for value in stream.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, (0, 0)
+    steal = ticks[7] if len(ticks) > 7 else 0  # user nice system idle iowait irq softirq steal
+    total = sum(ticks[:8])
+    previous_steal, previous_total = since or (0, 0)
+    interval = total - previous_total
+    return ((steal - previous_steal) / interval if interval > 0 else 0.0), (steal, total)
 
 
 def _cache_dir(env: Mapping[str, str]) -> str:

@@ -80,6 +80,10 @@ class MultiWorkerConfig:
 
     communication: Communication = _field(
         Communication.AUTO, "Collectives across workers: auto, ring (gRPC) or nccl (GPUs).")
+    bytes_per_pack: int = _field(
+        0, "Split the gradients into packs of about this many bytes, each all-reduced as "
+           "soon as its gradients are computed, overlapping the backward pass (0: one pack, "
+           "all-reduced once every gradient is computed).")
     timeout_seconds: float = _field(
         DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,
         "Abort a collective that waits longer than this for a peer, so a stuck or dead worker "
@@ -114,6 +118,11 @@ class HorovodConfig:
         Reduction.AVERAGE, "How gradients combine across ranks: average, sum or adasum.")
     compression: Compression = _field(
         Compression.NONE, "Gradient compression on the wire: none or fp16.")
+    grouped: bool = _field(
+        False, "Reduce each gradient as soon as it is computed, batched by Horovod's fusion "
+               "buffer, overlapping the backward pass (false: measured as fast or faster, "
+               "see benchmarks/overlap.py), or all in one grouped allreduce once every "
+               "gradient is computed (true).")
     sparse_as_dense: bool = _field(
         False, "Allreduce sparse gradients (embeddings) as dense tensors instead of "
                "allgathering them; faster when most rows change every step.")
@@ -418,6 +427,8 @@ def _validate(config: Config) -> None:
             "multi_worker.communication", "nccl", "auto or ring with cpu_replicas: NCCL "
             "runs on GPUs only")
     horovod = config.horovod
+    require(multi_worker.bytes_per_pack >= 0, "multi_worker.bytes_per_pack",
+            multi_worker.bytes_per_pack, "0 (one pack) or a positive number of bytes")
     require(horovod.timeout_seconds >= 0, "horovod.timeout_seconds", horovod.timeout_seconds,
             "a number of seconds >= 0 (0: no timeout)")
     require(horovod.warmup_steps >= 0, "horovod.warmup_steps", horovod.warmup_steps,

@@ -166,6 +166,19 @@ def test_summed_gradients_or_a_scaled_rate_equal_one_device_at_twice_the_rate(se
         assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
 
 
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
+def test_one_grouped_allreduce_equals_one_device(tmp_path):
+    # horovod.grouped=true: all gradients in one grouped_allreduce (the default is one
+    # allreduce per gradient, which every other test here runs).
+    by_rank, weights_by_rank = run_ranks(tmp_path, "--optimizer=adam", "--seed_by_rank",
+                                         "--set=horovod.grouped=true")
+    reference, _ = one_device_run(weights(tmp_path / "start.npz"), "adam", steps=10, epochs=2)
+    for rank in (0, 1):
+        assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
+
+
 @pytest.mark.parametrize("as_dense", ["false", "true"])
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod

@@ -61,13 +61,14 @@ def test_launch_train_multi_worker_reports_two_replicas(tmp_path):
     assert (tmp_path / "tfdist_output" / "config.yaml").exists()  # written once, by the chief
 
 
-@pytest.mark.parametrize("cpu_replicas, optimizer, replicas", [
-    (0, "sgd", 2), (0, "adam", 2), (2, "sgd", 4)])
+@pytest.mark.parametrize("cpu_replicas, optimizer, replicas, bytes_per_pack", [
+    (0, "sgd", 2, 0), (0, "adam", 2, 0), (2, "sgd", 4, 0),
+    (0, "adam", 2, 256)])  # packs of 256 bytes: the gradients in several all-reduces
 @pytest.mark.multiprocess
-def test_equals_one_device(cpu_replicas, optimizer, replicas, tmp_path):
+def test_equals_one_device(cpu_replicas, optimizer, replicas, bytes_per_pack, tmp_path):
     out = tmp_path / "weights.npz"
     result = launch([sys.executable, SCRIPT, str(out), f"--cpu_replicas={cpu_replicas}",
-                     f"--optimizer={optimizer}"], tmp_path)
+                     f"--optimizer={optimizer}", f"--bytes_per_pack={bytes_per_pack}"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:]
     assert f"[worker:1] replicas={replicas} iterations=20" in result.stdout
     distributed = [array for _, array in sorted(np.load(out).items(),

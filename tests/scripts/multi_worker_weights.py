@@ -3,7 +3,7 @@
 Run by tests under `tfdist launch` (one process per worker) to compare with one_device:
 
     tfdist launch -n 2 -- python tests/scripts/multi_worker_weights.py OUT.npz \
-        [--cpu_replicas N] [--optimizer sgd|adam] [--accumulation_steps K] \
+        [--cpu_replicas N] [--optimizer sgd|adam] [--accumulation_steps K] [--bytes_per_pack B] \
         [--inf_at_step S [--keras_loss_scaling]] [--undo FIX] [--bare]
 
 --inf_at_step S trains under mixed_float16 with an inf in worker 1's half of step S
@@ -47,6 +47,7 @@ def main():
     parser.add_argument("--cpu_replicas", type=int, default=0)
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--accumulation_steps", type=int, default=1)
+    parser.add_argument("--bytes_per_pack", type=int, default=0)
     parser.add_argument("--inf_at_step", type=int, help="mixed_float16, an inf in worker 1's half")
     parser.add_argument("--keras_loss_scaling", action="store_true",
                         help="with --inf_at_step: Keras's own skip decision, per worker")
@@ -67,6 +68,7 @@ def main():
             "strategy": "multi_worker",
             "precision": "float32" if args.inf_at_step is None else "mixed_float16",
             "multi_worker.cpu_replicas": args.cpu_replicas,
+            "multi_worker.bytes_per_pack": args.bytes_per_pack,
             "accumulation_steps": args.accumulation_steps,
             # Keras's own decision leaves one worker waiting in a collective: end the wait.
             "multi_worker.timeout_seconds": 10.0 if args.keras_loss_scaling else 0.0}))

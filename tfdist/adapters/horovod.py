@@ -193,14 +193,15 @@ class HorovodAdapter(Adapter):
         return GradientReducingOptimizer(optimizer, reduce_fn=self.gradient_reduce_fn())
 
     def gradient_reduce_fn(self) -> Callable[[list[Any]], list[Any]]:
-        """The config's reduction, as one grouped (fused) allreduce of all gradients."""
+        """The config's reduction: one grouped allreduce, or one per gradient (`grouped`)."""
         hvd, options = self.hvd, self.config.horovod
         op = {Reduction.AVERAGE: hvd.Average, Reduction.SUM: hvd.Sum,
               Reduction.ADASUM: hvd.Adasum}[options.op]
         compression = {Compression.NONE: hvd.Compression.none,
                        Compression.FP16: hvd.Compression.fp16}[options.compression]
         reduce = collectives.gradient_allreduce(hvd, op=op, compression=compression,
-                                                sparse_as_dense=options.sparse_as_dense)
+                                                sparse_as_dense=options.sparse_as_dense,
+                                                grouped=options.grouped)
         stop_flag, stop_votes = self._stop_vote
 
         def allreduce(grads: list[Any]) -> list[Any]:

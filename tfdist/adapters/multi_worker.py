@@ -66,6 +66,7 @@ class MultiWorkerAdapter(Adapter):
                             DEFAULT_COLLECTIVE_TIMEOUT_SECONDS)
         communication = tf.distribute.experimental.CommunicationOptions(
             implementation=_IMPLEMENTATIONS[options.communication],
+            bytes_per_pack=options.bytes_per_pack,
             timeout_seconds=options.timeout_seconds or None)
         try:
             with _cpu_replicas_per_worker(options.cpu_replicas):

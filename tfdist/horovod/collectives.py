@@ -47,8 +47,8 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
                        sparse_as_dense: bool = False, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0, process_set: Any = None,
                        device_dense: str = "", device_sparse: str = "",
-                       ) -> Callable[[list[Any]], list[Any]]:
-    """One grouped (fused) allreduce of a list of gradients.
+                       grouped: bool = True) -> Callable[[list[Any]], list[Any]]:
+    """The allreduce of a list of gradients: one grouped call, or one call per gradient.
 
     Args:
         hvd: The `horovod.tensorflow` module, initialised.
@@ -61,6 +61,10 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
         process_set: The ranks that reduce together; None: all of them.
         device_dense: Where dense gradients are reduced ("": Horovod's default).
         device_sparse: Where sparse gradients are reduced.
+        grouped: One `grouped_allreduce`, which starts once every gradient is computed;
+            False: one `allreduce` per gradient, each started as soon as its gradient
+            is computed, which Horovod's fusion buffer batches per cycle. Adasum is
+            always per gradient.
 
     Returns:
         A function of a list of gradients (no None) that returns their reductions,
@@ -76,11 +80,11 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
         if as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
-        if op == hvd.Adasum:
-            # Horovod 0.28.1's grouped_allreduce fails for Adasum: it reads a loop
-            # variable (`tensor`) that its own loop never set (UnboundLocalError,
-            # horovod/tensorflow/__init__.py). One allreduce per gradient works, and
-            # Horovod's background thread still fuses them into one buffer.
+        if op == hvd.Adasum or not grouped:
+            # Per gradient when asked, and always for Adasum: Horovod 0.28.1's
+            # grouped_allreduce fails for it, reading a loop variable (`tensor`) that
+            # its own loop never set (UnboundLocalError, horovod/tensorflow/__init__.py).
+            # Horovod's background thread still fuses what is ready into one buffer.
             return [hvd.allreduce(g, op=op, compression=compression, process_set=process_set,
                                   **scaling) for g in grads]
         return hvd.grouped_allreduce(grads, op=op, compression=compression,

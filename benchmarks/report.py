@@ -1,0 +1,422 @@
+"""`make bench`: runs every benchmark, then writes RESULTS.md, its plots and the README's table.
+
+Each benchmark runs as its own process (its default settings, at most 5 minutes);
+its output goes to benchmarks/results/NAME.log and its last line, one JSON object,
+to benchmarks/results/NAME.json. A benchmark that fails or runs over is reported as
+such: nothing is left out. Then, from those JSON files alone:
+
+- benchmarks/RESULTS.md: the machine (CPU, cores, cache, steal time during each
+  benchmark), the library versions, and per benchmark every figure with its median,
+  spread, target and whether it is met;
+- benchmarks/plots/*.png: all-reduce bandwidth, the sync-cost model against the
+  measurements, accumulation, mixed precision, the scaling projection;
+- README.md: the headline table and one plot, between its `results` markers.
+
+    .venv/bin/python benchmarks/report.py              # run all, then write
+    .venv/bin/python benchmarks/report.py --only overhead --only sync_cost
+    .venv/bin/python benchmarks/report.py --render     # write from the last results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+RESULTS_DIR = os.path.join(HERE, "results")
+PLOTS_DIR = os.path.join(HERE, "plots")
+README = os.path.join(REPO, "README.md")
+TIMEOUT_SECONDS = 330  # each benchmark is meant to finish in under 5 minutes
+
+# In the order they run and appear. `projection` reads sync_cost's results.
+BENCHMARKS = ("overhead", "precision", "allreduce", "sync_cost", "overlap", "accumulation",
+              "parameter_server", "checkpoint", "scaling", "projection", "gpu")
+
+# The README's table: the figures an engineer choosing a stack looks at first.
+HEADLINES = {
+    "overhead": ("ratio_one_device", "ratio_mirrored"),
+    "precision": ("speedup_bf16",),
+    "allreduce": ("horovod_ratio_resnet50", "horovod_64mb_gbps", "ring_64mb_gbps"),
+    "sync_cost": ("horovod_100mb_ratio", "multi_worker_100mb_ratio", "mirrored_100mb_ratio"),
+    "overlap": ("horovod_per_tensor_over_grouped", "multi_worker_packed_over_one_pack"),
+    "accumulation": ("memory_ratio_k8_vs_b", "speedup_k8_horovod", "speedup_k8_multi_worker"),
+    "parameter_server": ("w2_spe100_ratio",),
+    "checkpoint": ("ratio_one_device",),
+    "projection": ("resnet50_128_workers_25gbit", "resnet50_128_workers_25gbit_k4"),
+}
+
+
+def run_benchmark(name: str, results_dir: str = RESULTS_DIR) -> dict:
+    """Runs benchmarks/NAME.py; returns its JSON line with how the run went."""
+    from tfdist.cluster import cpu_steal_fraction
+
+    os.makedirs(results_dir, exist_ok=True)
+    _, counters = cpu_steal_fraction()
+    started = time.perf_counter()
+    log_path = os.path.join(results_dir, f"{name}.log")
+    with open(log_path, "w") as log:
+        try:
+            arguments = (["--sync_cost", os.path.join(results_dir, "sync_cost.json")]
+                         if name == "projection" else [])
+            process = subprocess.run([sys.executable, os.path.join(HERE, f"{name}.py"),
+                                      *arguments],
+                                     stdout=subprocess.PIPE, stderr=log, text=True,
+                                     stdin=subprocess.DEVNULL, timeout=TIMEOUT_SECONDS,
+                                     env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+            status, stdout = process.returncode, process.stdout
+        except subprocess.TimeoutExpired as expired:
+            status = "timeout"
+            stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (
+                expired.stdout or "")
+        log.write(stdout)
+    steal, _ = cpu_steal_fraction(since=counters)
+    run = {"seconds": round(time.perf_counter() - started, 1), "steal": round(steal, 4),
+           "status": status, "finished": datetime.datetime.now().isoformat(timespec="seconds")}
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if status == 0 and lines:
+        result = {**json.loads(lines[-1]), "run": run}
+    else:
+        tail = (stdout.splitlines() or [""])[-1][:300]
+        result = {"benchmark": name, "figures": [], "run": {**run, "error": tail,
+                                                           "log": os.path.relpath(log_path, REPO)}}
+    with open(os.path.join(results_dir, f"{name}.json"), "w") as stream:
+        json.dump(result, stream, indent=1)
+    print(f"report: {name}: {'done' if status == 0 else f'FAILED ({status})'} in "
+          f"{run['seconds']:.0f} s, steal {steal:.1%}", flush=True)
+    return result
+
+
+def load_results(results_dir: str = RESULTS_DIR) -> dict[str, dict]:
+    results = {}
+    for name in BENCHMARKS:
+        path = os.path.join(results_dir, f"{name}.json")
+        if os.path.exists(path):
+            with open(path) as stream:
+                results[name] = json.load(stream)
+    return results
+
+
+def machine() -> dict:
+    """What ran the benchmarks: CPU, cores, cache, memory, GPUs, library versions."""
+    from tfdist.cluster import detect_cluster
+
+    info = detect_cluster(probe_gpus=False)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    versions = {"Python": platform.python_version()}
+    for label, distribution in (("TensorFlow", ("tensorflow-cpu", "tensorflow")),
+                                ("Keras", ("keras",)), ("Horovod", ("horovod",)),
+                                ("NumPy", ("numpy",)), ("matplotlib", ("matplotlib",))):
+        for candidate in distribution:
+            try:
+                versions[label] = importlib.metadata.version(candidate)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        else:
+            versions[label] = "not installed"
+    mpirun = shutil.which("mpirun")
+    if mpirun:
+        first = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+        versions["Open MPI"] = (re.findall(r"\d+\.\d+\.\d+", first) or ["?"])[0]
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    return {"cpu": info.cpu_model or platform.processor() or "unknown",
+            "cores": info.cpu_cores, "cache_mib": info.cpu_cache_bytes / 2**20,
+            "bf16": info.cpu_bf16, "memory_gib": memory, "versions": versions,
+            "commit": commit or "unknown", "kernel": platform.release()}
+
+
+def number(value: float, unit: str) -> str:
+    if unit == "x":
+        return f"{value:.3f}"
+    return f"{value:.3g} {unit}" if abs(value) < 1000 else f"{value:,.0f} {unit}"
+
+
+def verdict(figure: dict) -> str:
+    if figure["met"] is None:
+        return "(no target)"
+    return "met" if figure["met"] else "**not met**"
+
+
+def figure_rows(result: dict) -> list[str]:
+    rows = ["| figure | median | min-max | n | 95% interval | target | met |",
+            "|---|---|---|---|---|---|---|"]
+    for f in result.get("figures", []):
+        interval = (f"{number(f['interval'][0], f['unit'])}-{number(f['interval'][1], f['unit'])}"
+                    if f.get("interval") else "")
+        rows.append(f"| {f['label']} | {number(f['median'], f['unit'])} | "
+                    f"{number(f['low'], f['unit'])}-{number(f['high'], f['unit'])} | "
+                    f"{f['samples']} | {interval} | {f['target'] or '-'} | {verdict(f)} |")
+    return rows
+
+
+def summary(name: str) -> str:
+    """The first paragraph of a benchmark's docstring: what ran against what."""
+    path = os.path.join(HERE, f"{name}.py")
+    with open(path) as stream:
+        text = stream.read()
+    docstring = text.split('"""')[1] if '"""' in text else ""
+    return " ".join(docstring.strip().split("\n\n")[0].split())
+
+
+def render_results(results: dict[str, dict], facts: dict, plots: dict[str, str]) -> str:
+    steal = [r["run"]["steal"] for r in results.values() if r.get("run")]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Written by `make bench` (`benchmarks/report.py`) at commit {facts['commit']}; "
+        "every number below comes from `benchmarks/results/*.json`, written by the same run. "
+        "Absolute times vary on a shared machine; the ratios are what to read.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| CPU | {facts['cpu']}, {facts['cores']} cores, {facts['cache_mib']:.0f} MiB "
+        f"last-level cache, bfloat16 instructions: {'yes' if facts['bf16'] else 'no'} |",
+        f"| Memory | {facts['memory_gib']:.0f} GiB |",
+        f"| Kernel | {facts['kernel']} |",
+        f"| Steal time during the run | {max(steal, default=0):.1%} at most "
+        "(per benchmark below) |",
+        f"| Versions | " + ", ".join(f"{k} {v}" for k, v in facts["versions"].items()) + " |",
+        "",
+        "## Every target",
+        "",
+        "| benchmark | figure | median (min-max) | target | met |",
+        "|---|---|---|---|---|",
+    ]
+    for name, result in results.items():
+        for f in result.get("figures", []):
+            if f["target"]:
+                lines.append(f"| {name} | {f['label']} | {number(f['median'], f['unit'])} "
+                             f"({number(f['low'], f['unit'])}-{number(f['high'], f['unit'])}) | "
+                             f"{f['target']} | {verdict(f)} |")
+    for name in BENCHMARKS:
+        result = results.get(name)
+        lines += ["", f"## {name}", "", summary(name), ""]
+        if result is None:
+            lines.append("Not run yet: `.venv/bin/python benchmarks/report.py --only "
+                         f"{name}`.")
+            continue
+        run = result.get("run", {})
+        lines.append(f"`.venv/bin/python benchmarks/{name}.py`: {run.get('seconds', 0):.0f} s, "
+                     f"steal time {run.get('steal', 0):.1%}, finished {run.get('finished', '?')}.")
+        lines.append("")
+        if run.get("status", 0) != 0:
+            lines.append(f"**Failed** ({run.get('status')}): {run.get('error', '')} "
+                         f"(log: `{run.get('log', '')}`).")
+            continue
+        if result.get("measured") is False:
+            lines.append(f"Not measured: {result.get('reason', '')}.")
+            continue
+        lines += figure_rows(result)
+        lines += extra_tables(name, result)
+        if name in plots:
+            lines += ["", f"![{name}](plots/{os.path.basename(plots[name])})"]
+    return "\n".join(lines) + "\n"
+
+
+def extra_tables(name: str, result: dict) -> list[str]:
+    """Series a benchmark reports beside its figures, as tables."""
+    lines = []
+    if name == "sync_cost":
+        lines += ["", "| strategy, gradients | tensors | tfdist ms | raw ms | ring model ms |",
+                  "|---|---|---|---|---|"]
+        for key, row in result["table"].items():
+            lines.append(f"| {key.rsplit('_', 1)[0]}, {row['megabytes']:.3g} MB | "
+                         f"{row['tensors']} | {row['tfdist_ms']:.2f} | {row['raw_ms']:.2f} | "
+                         f"{row['model_ms']:.2f} |")
+        lines += ["", "Fitted model (B in cache / beyond, a, t per tensor): " + "; ".join(
+            f"{s}: {f['bandwidth_cache_gbps']:.3g} / {f['bandwidth_memory_gbps']:.3g} GB/s, "
+            f"{f['latency_us']:.0f} us, {f['per_tensor_us']:.0f} us"
+            for s, f in result["fit"].items())]
+    if name == "allreduce":
+        series = result["series"]
+        sizes = list(next(iter(series.values())))
+        sizes = sorted({size for column in series.values() for size in column},
+                       key=lambda s: (s == "resnet50", float(s) if s != "resnet50" else 0))
+        lines += ["", "| MB | " + " | ".join(series) + " |",
+                  "|---|" + "---|" * len(series)]
+        for size in sizes:
+            lines.append(f"| {size} | " + " | ".join(
+                f"{column[size]:.3f}" if size in column else "" for column in series.values())
+                + " |")
+        lines.append("\n(GB/s: bytes over the median time of one all-reduce.)")
+    if name == "projection":
+        lines += ["", "| model, link | " + " | ".join(
+            f"{n} workers" for n in result["workers"]) + " |",
+            "|---|" + "---|" * len(result["workers"])]
+        for key, row in result["efficiency"].items():
+            lines.append(f"| {key} | " + " | ".join(f"{v:.0%}" for v in row) + " |")
+    return lines
+
+
+def plot_all(results: dict[str, dict], plots_dir: str = PLOTS_DIR) -> dict[str, str]:
+    """Draws what the results hold; returns benchmark -> PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    os.makedirs(plots_dir, exist_ok=True)
+    plots = {}
+
+    def save(name: str, figure) -> None:
+        path = os.path.join(plots_dir, f"{name}.png")
+        figure.tight_layout()
+        # No timestamp in the file, so an unchanged plot is an unchanged file.
+        figure.savefig(path, dpi=100, metadata={"Software": None})
+        plots[name] = path
+
+    def ok(name):
+        result = results.get(name)
+        return bool(result and result.get("figures") and result.get("measured") is not False)
+
+    if ok("allreduce"):
+        figure, axes = plt.subplots(figsize=(7, 4.2))
+        for column, values in results["allreduce"]["series"].items():
+            points = sorted((float(k), v) for k, v in values.items() if k != "resnet50")
+            axes.plot(*zip(*points), marker="o", label=column)
+        axes.set(xscale="log", yscale="log", xlabel="message (MB)", ylabel="GB/s",
+                 title="All-reduce bandwidth, 2 local processes")
+        axes.legend()
+        save("allreduce", figure)
+    if ok("sync_cost"):
+        figure, axes = plt.subplots(figsize=(7, 4.2))
+        for strategy in results["sync_cost"]["fit"]:
+            rows = [row for key, row in results["sync_cost"]["table"].items()
+                    if key.rsplit("_", 1)[0] == strategy]
+            line, = axes.plot([r["megabytes"] for r in rows], [r["tfdist_ms"] for r in rows],
+                              marker="o", linestyle="", label=f"{strategy}, measured")
+            axes.plot([r["megabytes"] for r in rows], [r["model_ms"] for r in rows],
+                      marker="x", color=line.get_color(), label=f"{strategy}, ring model")
+        axes.set(xscale="log", yscale="log", xlabel="gradients (MB)", ylabel="ms per step",
+                 title="Gradient sync per step: measured and predicted")
+        axes.legend(fontsize=8)
+        save("sync_cost", figure)
+    if ok("accumulation"):
+        result = results["accumulation"]
+        figure, (memory, speed) = plt.subplots(1, 2, figsize=(8, 3.6))
+        b, k = result["micro_batch"], result["k"]
+        labels = {"b_k1": f"batch {b}", "b_k8": f"{b} x k={k}", "8b_k1": f"batch {b * k}"}
+        memory.bar(list(labels.values()), [result["maxrss_mb"][key] for key in labels])
+        memory.set(ylabel="peak resident MB", title="Memory")
+        speedups = {f["name"].removeprefix("speedup_k8_"): f["median"]
+                    for f in result["figures"] if f["name"].startswith("speedup_k8_")}
+        speed.bar(list(speedups), list(speedups.values()))
+        speed.axhline(1.0, color="gray", linewidth=0.8)
+        speed.set(ylabel=f"samples/s, k={k} / k=1", title="Less communication")
+        save("accumulation", figure)
+    if ok("precision"):
+        figure, axes = plt.subplots(figsize=(5, 3.6))
+        bars = {"end to end": results["precision"]["speedup_bf16"],
+                "bare matmul": results["precision"]["matmul_speedup_bf16"]}
+        axes.bar(list(bars), list(bars.values()))
+        axes.axhline(1.0, color="gray", linewidth=0.8)
+        axes.set(ylabel="mixed_bfloat16 / float32", title="Mixed-precision speed-up (CPU)")
+        save("precision", figure)
+    if ok("projection"):
+        result = results["projection"]
+        figure, axes = plt.subplots(figsize=(8, 4.8))
+        for key, row in result["efficiency"].items():
+            if not key.startswith("resnet50") or result["headline_device"] not in key:
+                continue
+            axes.plot(result["workers"], row, marker="o",
+                      label=key.replace(f"resnet50, {result['headline_device']}, ", ""),
+                      linestyle="--" if "k=" in key else "-")
+        low, high = result["horovod_paper_128_gpus"]
+        axes.axhspan(low, high, color="gray", alpha=0.3, label="Horovod paper, 128 GPUs")
+        axes.set(xscale="log", xlabel="workers", ylabel="weak-scaling efficiency",
+                 ylim=(0, 1.05), title=f"ResNet-50 on {result['headline_device']}: projected "
+                 "(ring model, no overlap)")
+        axes.set_xticks(result["workers"], [str(n) for n in result["workers"]])
+        axes.legend(fontsize=7, loc="lower left")
+        save("projection", figure)
+    plt.close("all")
+    return plots
+
+
+def render_readme_table(results: dict[str, dict]) -> str:
+    rows = ["| benchmark | figure | measured (min-max) | target | met |", "|---|---|---|---|---|"]
+    for name, wanted in HEADLINES.items():
+        for f in results.get(name, {}).get("figures", []):
+            if f["name"] in wanted:
+                rows.append(f"| {name} | {f['label']} | {number(f['median'], f['unit'])} "
+                            f"({number(f['low'], f['unit'])}-{number(f['high'], f['unit'])}) | "
+                            f"{f['target'] or '-'} | {verdict(f)} |")
+    return "\n".join(rows)
+
+
+def update_readme(results: dict[str, dict], facts: dict, plots: dict[str, str]) -> None:
+    """Replaces the README's text between its results markers."""
+    begin, end = "<!-- results:begin -->", "<!-- results:end -->"
+    with open(README) as stream:
+        text = stream.read()
+    if begin not in text or end not in text:
+        raise SystemExit(f"report: README.md has no {begin} ... {end} block to fill")
+    plot = plots.get("projection") or plots.get("allreduce")
+    block = "\n".join([
+        begin,
+        f"Measured by `make bench` on {facts['cpu']} ({facts['cores']} cores), TensorFlow "
+        f"{facts['versions'].get('TensorFlow')}; every figure, its spread and the machine "
+        "are in [benchmarks/RESULTS.md](benchmarks/RESULTS.md).",
+        "",
+        render_readme_table(results),
+        "",
+        *([f"![{os.path.basename(plot)}](benchmarks/plots/{os.path.basename(plot)})", ""]
+          if plot else []),
+        end])
+    text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    with open(README, "w") as stream:
+        stream.write(text)
+
+
+def write(results: dict[str, dict], output_dir: str = HERE, readme: bool = True) -> None:
+    """RESULTS.md and plots/ in `output_dir`; with `readme`, README.md's table too."""
+    facts = machine()
+    plots = plot_all(results, os.path.join(output_dir, "plots"))
+    results_md = os.path.join(output_dir, "RESULTS.md")
+    with open(results_md, "w") as stream:
+        stream.write(render_results(results, facts, plots))
+    if readme:
+        update_readme(results, facts, plots)
+    print(f"report: wrote {results_md}, {len(plots)} plots"
+          + (" and README.md's table" if readme else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", choices=BENCHMARKS,
+                        help="run these benchmarks only (the others' last results stay)")
+    parser.add_argument("--render", action="store_true",
+                        help="run nothing: write from the last results")
+    parser.add_argument("--results_dir", default=RESULTS_DIR,
+                        help="where each benchmark's JSON and log go (and are read from)")
+    parser.add_argument("--output_dir", default=HERE,
+                        help="where RESULTS.md and plots/ go; README.md is updated only "
+                             "with the default")
+    args = parser.parse_args()
+    if not args.render:
+        for name in args.only or BENCHMARKS:
+            run_benchmark(name, args.results_dir)
+    results = load_results(args.results_dir)
+    write(results, args.output_dir, readme=os.path.abspath(args.output_dir) == HERE)
+    failed = [name for name, r in results.items() if r.get("run", {}).get("status", 0) != 0]
+    if failed:
+        raise SystemExit(f"report: failed: {', '.join(failed)} (see {args.results_dir}/*.log)")
+
+
+if __name__ == "__main__":
+    main()
