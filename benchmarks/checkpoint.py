@@ -11,7 +11,7 @@
    against without it, interleaved, median of 200 each) and the check at each step
    boundary (reading the vote), in microseconds.
 
-    .venv/bin/python benchmarks/checkpoint.py [--rounds 15] [--steps 40]
+    .venv/bin/python benchmarks/checkpoint.py [--rounds 11] [--steps 40]
 
 The last line is JSON: `ratio_one_device` and `ratio_mirrored` (with / without the
 callback; target <= 1.01), `save_ms`, `horovod_vote_us` and `horovod_check_us` (0 when
@@ -155,7 +155,7 @@ def vote(folder: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=15,
+    parser.add_argument("--rounds", type=int, default=11,
                         help="epochs per variant; the first is warm-up")
     parser.add_argument("--steps", type=int, default=40, help="steps per epoch")
     parser.add_argument("--vote", metavar="FOLDER", help=argparse.SUPPRESS)

@@ -6,7 +6,7 @@ on the same data, one built through a tfdist Runner and one through a strategy a
 writes). The two alternate epoch by epoch in one process, so both see the same
 machine load. The first round (tracing) is left out; the figures are medians.
 
-    .venv/bin/python benchmarks/overhead.py [--rounds 31] [--steps 40]
+    .venv/bin/python benchmarks/overhead.py [--rounds 21] [--steps 40]
 
 Each round gives one ratio (tfdist's epoch time over the hand-written one's in the
 same round), so a slow stretch of the shared machine hits both sides of it. The
@@ -95,7 +95,7 @@ def measure(strategy_name: str, rounds: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=31,
+    parser.add_argument("--rounds", type=int, default=21,
                         help="epochs per variant; the first is warm-up")
     parser.add_argument("--steps", type=int, default=40, help="steps per epoch")
     args = parser.parse_args()

@@ -13,7 +13,7 @@ alternating rounds:
 Each figure is the median steps per second over blocks after the first
 (warm-up excluded), and the headline is tfdist/raw for every W and s.
 
-    .venv/bin/python benchmarks/parameter_server.py [--steps 600] [--repeats 3]
+    .venv/bin/python benchmarks/parameter_server.py [--steps 300] [--repeats 2]
 
 The last line is JSON: steps/s of both and their ratio per setting, and the lowest ratio.
 """
@@ -124,9 +124,9 @@ def run_cluster(workers: int, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=600,
+    parser.add_argument("--steps", type=int, default=300,
                         help="steps per timed block (a multiple of every --spe)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed blocks per round")
+    parser.add_argument("--repeats", type=int, default=2, help="timed blocks per round")
     parser.add_argument("--spe", type=int, action="append",
                         help="steps_per_execution values (default: 1, 10, 100)")
     parser.add_argument("--workers", type=int, action="append",

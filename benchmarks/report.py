@@ -144,6 +144,19 @@ def number(value: float, unit: str) -> str:
     return f"{value:.3g} {unit}" if abs(value) < 1000 else f"{value:,.0f} {unit}"
 
 
+def spread(figure: dict) -> str:
+    """The lowest and highest sample, in the figure's unit."""
+    low, high = figure["low"], figure["high"]
+    if figure["unit"] == "x":
+        return f"{low:.3f}-{high:.3f}"
+    return f"{low:.3g}-{high:.3g} {figure['unit']}"
+
+
+def cell(text: str) -> str:
+    """Text for a Markdown table cell: a bare | would end the cell."""
+    return text.replace("|", "\\|")
+
+
 def verdict(figure: dict) -> str:
     if figure["met"] is None:
         return "(no target)"
@@ -156,8 +169,8 @@ def figure_rows(result: dict) -> list[str]:
     for f in result.get("figures", []):
         interval = (f"{number(f['interval'][0], f['unit'])}-{number(f['interval'][1], f['unit'])}"
                     if f.get("interval") else "")
-        rows.append(f"| {f['label']} | {number(f['median'], f['unit'])} | "
-                    f"{number(f['low'], f['unit'])}-{number(f['high'], f['unit'])} | "
+        rows.append(f"| {cell(f['label'])} | {number(f['median'], f['unit'])} | "
+                    f"{spread(f)} | "
                     f"{f['samples']} | {interval} | {f['target'] or '-'} | {verdict(f)} |")
     return rows
 
@@ -200,8 +213,8 @@ def render_results(results: dict[str, dict], facts: dict, plots: dict[str, str])
     for name, result in results.items():
         for f in result.get("figures", []):
             if f["target"]:
-                lines.append(f"| {name} | {f['label']} | {number(f['median'], f['unit'])} "
-                             f"({number(f['low'], f['unit'])}-{number(f['high'], f['unit'])}) | "
+                lines.append(f"| {name} | {cell(f['label'])} | {number(f['median'], f['unit'])} "
+                             f"({spread(f)}) | "
                              f"{f['target']} | {verdict(f)} |")
     for name in BENCHMARKS:
         result = results.get(name)
@@ -339,8 +352,8 @@ def plot_all(results: dict[str, dict], plots_dir: str = PLOTS_DIR) -> dict[str, 
         low, high = result["horovod_paper_128_gpus"]
         axes.axhspan(low, high, color="gray", alpha=0.3, label="Horovod paper, 128 GPUs")
         axes.set(xscale="log", xlabel="workers", ylabel="weak-scaling efficiency",
-                 ylim=(0, 1.05), title=f"ResNet-50 on {result['headline_device']}: projected "
-                 "(ring model, no overlap)")
+                 ylim=(0, 1.05), title=f"ResNet-50, projected (ring model, no overlap)\n"
+                 f"compute: {result['headline_device']}")
         axes.set_xticks(result["workers"], [str(n) for n in result["workers"]])
         axes.legend(fontsize=7, loc="lower left")
         save("projection", figure)
@@ -353,8 +366,8 @@ def render_readme_table(results: dict[str, dict]) -> str:
     for name, wanted in HEADLINES.items():
         for f in results.get(name, {}).get("figures", []):
             if f["name"] in wanted:
-                rows.append(f"| {name} | {f['label']} | {number(f['median'], f['unit'])} "
-                            f"({number(f['low'], f['unit'])}-{number(f['high'], f['unit'])}) | "
+                rows.append(f"| {name} | {cell(f['label'])} | {number(f['median'], f['unit'])} "
+                            f"({spread(f)}) | "
                             f"{f['target'] or '-'} | {verdict(f)} |")
     return "\n".join(rows)
 

@@ -23,7 +23,7 @@ calibration runs, single tensors of 1/32 to 128 MB and 16 and 64 tensors of 4 KB
 the model is fitted to those (least squares on relative error) and predicts the
 three gradient sets, none of which it was fitted on. Target: within 25%.
 
-    .venv/bin/python benchmarks/sync_cost.py [--repeats 10]
+    .venv/bin/python benchmarks/sync_cost.py [--repeats 15]
 
 The last line is JSON: per strategy and size the tfdist/raw ratio, the measured and
 predicted milliseconds, and the fitted bandwidth (GB/s) and latency (us).
@@ -52,7 +52,9 @@ REPLICAS = 2
 # Dense layer widths, input first: gradients of about 0.1, 10 and 100 MB (weights and biases).
 MODELS = {"0.1": (100, 128, 64, 10), "10": (1024, 1024, 1024, 512, 10),
           "100": (4096, 4096, 2048, 1024, 10)}
-FIT_MB = (1 / 32, 1 / 4, 2, 16, 64, 128)
+# Single-tensor calibration sizes, clear of the cache line (2S = LLC: 16 MB on a 32 MB
+# cache), where the bandwidth is neither one nor the other.
+FIT_MB = (1 / 32, 1 / 4, 2, 8, 64, 128)
 COUNTS, SMALL_TENSOR = (16, 64), 1024  # many 4 KB tensors, for the per-tensor cost
 STRATEGIES = ("mirrored", "multi_worker", "horovod")
 
@@ -66,7 +68,10 @@ def gradient_shapes(widths: tuple[int, ...]) -> list[list[int]]:
 
 
 def timings(strategy_name: str, reduce_list, reduce_flat, args: argparse.Namespace) -> dict:
-    """Times raw single tensors (for the fit), then tfdist against raw per model.
+    """Times the calibration runs and each model's tfdist and raw reductions, interleaved.
+
+    Every run is timed once per round, all rounds alike, so the calibration the model
+    is fitted on and the measurements it predicts see the same machine.
 
     Args:
         strategy_name: Which strategy the caller set up.
@@ -80,28 +85,27 @@ def timings(strategy_name: str, reduce_list, reduce_flat, args: argparse.Namespa
          "calibration": {"<tensors>x<elements>": [seconds]} of the tfdist reduction,
          "models": {name: {"bytes", "tensors", "raw": [seconds], "tfdist": [seconds]}}}
     """
-    def repeats(elements: int) -> int:  # small messages are quick and noisy: time more
-        return args.repeats * (5 if elements * 4 < 2**20 else 1)
-
-    sweep, calibration = {}, {}
+    runs, sweep_keys, models = {}, {}, {}
     for megabytes in args.fit_mb:
         elements = int(megabytes * 2**20) // 4
-        seconds = interleaved({"raw": reduce_flat(elements), "tfdist": reduce_list([[elements]])},
-                              repeats(elements))
-        sweep[elements * 4] = seconds["raw"]
-        calibration[f"1x{elements}"] = seconds["tfdist"]
+        runs[f"raw 1x{elements}"] = reduce_flat(elements)
+        runs[f"1x{elements}"] = reduce_list([[elements]])
+        sweep_keys[elements * 4] = f"raw 1x{elements}"
     for count in COUNTS:  # many small tensors: the cost of each tensor apart from its bytes
-        calibration[f"{count}x{SMALL_TENSOR}"] = interleaved(
-            {"tfdist": reduce_list([[SMALL_TENSOR]] * count)}, repeats(count * SMALL_TENSOR))[
-                "tfdist"]
-    models = {}
+        runs[f"{count}x{SMALL_TENSOR}"] = reduce_list([[SMALL_TENSOR]] * count)
     for name in args.models:
         shapes = gradient_shapes(MODELS[name])
         elements = sum(int(np.prod(shape)) for shape in shapes)
-        seconds = interleaved({"raw": reduce_flat(elements), "tfdist": reduce_list(shapes)},
-                              repeats(elements))
-        models[name] = {"bytes": elements * 4, "tensors": len(shapes), **seconds}
-    return {"strategy": strategy_name, "sweep": sweep, "calibration": calibration,
+        runs[f"raw {name}"] = reduce_flat(elements)
+        runs[f"tfdist {name}"] = reduce_list(shapes)
+        models[name] = {"bytes": elements * 4, "tensors": len(shapes)}
+    seconds = interleaved(runs, args.repeats)
+    for name, model in models.items():
+        model.update(raw=seconds[f"raw {name}"], tfdist=seconds[f"tfdist {name}"])
+    return {"strategy": strategy_name,
+            "sweep": {size: seconds[key] for size, key in sweep_keys.items()},
+            "calibration": {key: values for key, values in seconds.items()
+                            if not key.startswith(("raw ", "tfdist "))},
             "models": models}
 
 
@@ -295,7 +299,8 @@ def fit_ring_model(calibration: dict[str, list[float]], cache_bytes: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=10, help="timed rounds per measurement")
+    parser.add_argument("--repeats", type=int, default=15, help="timed rounds (every run once "
+                        "per round)")
     parser.add_argument("--models", action="append", choices=sorted(MODELS),
                         help="gradient sets by MB (default: all)")
     parser.add_argument("--fit_mb", action="append", type=float,
@@ -335,13 +340,13 @@ def main() -> None:
         for name, model in result["models"].items():
             predicted = model_fit.seconds(model["bytes"], model["tensors"])
             ratio = figure(f"{strategy_name}_{name}mb_ratio",
-                           f"{strategy_name}, {model['bytes'] / 2**20:.2g} MB in "
+                           f"{strategy_name}, {model['bytes'] / 2**20:.3g} MB in "
                            f"{model['tensors']} tensors: tfdist / raw collective, time",
                            [ours / raw for raw, ours in zip(model["raw"], model["tfdist"])],
                            target="<= 1.1")
             error = figure(f"{strategy_name}_{name}mb_model_error",
-                           f"{strategy_name}, {model['bytes'] / 2**20:.2g} MB: |ring model / "
-                           "measured - 1|", [abs(predicted / statistics.median(model["tfdist"])
+                           f"{strategy_name}, {model['bytes'] / 2**20:.3g} MB: ring model's "
+                           "error, abs(predicted / measured - 1)", [abs(predicted / statistics.median(model["tfdist"])
                                                  - 1)], target="<= 0.25")
             figures += [ratio, error]
             table[f"{strategy_name}_{name}"] = {
