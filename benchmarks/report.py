@@ -257,7 +257,6 @@ def extra_tables(name: str, result: dict) -> list[str]:
             for s, f in result["fit"].items())]
     if name == "allreduce":
         series = result["series"]
-        sizes = list(next(iter(series.values())))
         sizes = sorted({size for column in series.values() for size in column},
                        key=lambda s: (s == "resnet50", float(s) if s != "resnet50" else 0))
         lines += ["", "| MB | " + " | ".join(series) + " |",
