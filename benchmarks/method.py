@@ -96,7 +96,8 @@ def figure(name: str, label: str, samples: Iterable[float], *, unit: str = "x",
 
 
 def interleaved(variants: Mapping[str, Callable[[], object]], repeats: int,
-                warmup: int = 3) -> dict[str, list[float]]:
+                warmup: int = 3, before: Callable[[], object] | None = None
+                ) -> dict[str, list[float]]:
     """Times each variant `repeats` times, alternating them, after `warmup` untimed rounds.
 
     Args:
@@ -105,6 +106,9 @@ def interleaved(variants: Mapping[str, Callable[[], object]], repeats: int,
             the work and not only its dispatch).
         repeats: Timed rounds.
         warmup: Untimed rounds first.
+        before: An untimed call before each variant. For a collective timed in several
+            processes, a barrier: a process that finished a large all-reduce first would
+            otherwise time the next call from then, waiting for the last one.
 
     Returns:
         Name -> seconds of each timed call, in order.
@@ -113,12 +117,15 @@ def interleaved(variants: Mapping[str, Callable[[], object]], repeats: int,
         seconds = interleaved({"raw": lambda: float(raw(x)), "tfdist": lambda: float(ours(x))},
                               repeats=10)
     """
+    before = before or (lambda: None)
     for _ in range(warmup):
         for run in variants.values():
+            before()
             run()
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
         for name, run in variants.items():
+            before()
             start = time.perf_counter()
             run()
             seconds[name].append(time.perf_counter() - start)

@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from charts import plot_all
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
@@ -251,10 +253,20 @@ def extra_tables(name: str, result: dict) -> list[str]:
             lines.append(f"| {key.rsplit('_', 1)[0]}, {row['megabytes']:.3g} MB | "
                          f"{row['tensors']} | {row['tfdist_ms']:.2f} | {row['raw_ms']:.2f} | "
                          f"{row['model_ms']:.2f} |")
-        lines += ["", "Fitted model (B in cache / beyond, a, t per tensor): " + "; ".join(
-            f"{s}: {f['bandwidth_cache_gbps']:.3g} / {f['bandwidth_memory_gbps']:.3g} GB/s, "
-            f"{f['latency_us']:.0f} us, {f['per_tensor_us']:.0f} us"
-            for s, f in result["fit"].items())]
+        lines += ["", "Fitted model per strategy (ring_model.py): bandwidth B up to the switch "
+                  "and beyond it, the switch, latency a per ring step, the pack's copy rate P, "
+                  "t per tensor; and the largest error of the fit on its own calibration runs:",
+                  ""]
+        for strategy, fit in result["fit"].items():
+            worst = max(abs(row["model_ms"] / row["ms"] - 1)
+                        for row in result["calibration"][strategy].values())
+            switch = f"{fit['switch_mb']:.3g} MB" if fit["switch_mb"] else "none"
+            pack = f"{fit['pack_gbps']:.3g} GB/s" if fit["pack_gbps"] else "no copy"
+            lines.append(f"- {strategy}: B {fit['bandwidth_small_gbps']:.3g} / "
+                         f"{fit['bandwidth_large_gbps']:.3g} GB/s, switch {switch}, "
+                         f"a {fit['latency_us']:.0f} us, P {pack}, "
+                         f"t {fit['per_tensor_us']:.0f} us; calibration within {worst:.0%} "
+                         f"({len(result['calibration'][strategy])} runs)")
     if name == "allreduce":
         series = result["series"]
         sizes = sorted({size for column in series.values() for size in column},
@@ -273,91 +285,6 @@ def extra_tables(name: str, result: dict) -> list[str]:
         for key, row in result["efficiency"].items():
             lines.append(f"| {key} | " + " | ".join(f"{v:.0%}" for v in row) + " |")
     return lines
-
-
-def plot_all(results: dict[str, dict], plots_dir: str = PLOTS_DIR) -> dict[str, str]:
-    """Draws what the results hold; returns benchmark -> PNG path."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    os.makedirs(plots_dir, exist_ok=True)
-    plots = {}
-
-    def save(name: str, figure) -> None:
-        path = os.path.join(plots_dir, f"{name}.png")
-        figure.tight_layout()
-        # No timestamp in the file, so an unchanged plot is an unchanged file.
-        figure.savefig(path, dpi=100, metadata={"Software": None})
-        plots[name] = path
-
-    def ok(name):
-        result = results.get(name)
-        return bool(result and result.get("figures") and result.get("measured") is not False)
-
-    if ok("allreduce"):
-        figure, axes = plt.subplots(figsize=(7, 4.2))
-        for column, values in results["allreduce"]["series"].items():
-            points = sorted((float(k), v) for k, v in values.items() if k != "resnet50")
-            axes.plot(*zip(*points), marker="o", label=column)
-        axes.set(xscale="log", yscale="log", xlabel="message (MB)", ylabel="GB/s",
-                 title="All-reduce bandwidth, 2 local processes")
-        axes.legend()
-        save("allreduce", figure)
-    if ok("sync_cost"):
-        figure, axes = plt.subplots(figsize=(7, 4.2))
-        for strategy in results["sync_cost"]["fit"]:
-            rows = [row for key, row in results["sync_cost"]["table"].items()
-                    if key.rsplit("_", 1)[0] == strategy]
-            line, = axes.plot([r["megabytes"] for r in rows], [r["tfdist_ms"] for r in rows],
-                              marker="o", linestyle="", label=f"{strategy}, measured")
-            axes.plot([r["megabytes"] for r in rows], [r["model_ms"] for r in rows],
-                      marker="x", color=line.get_color(), label=f"{strategy}, ring model")
-        axes.set(xscale="log", yscale="log", xlabel="gradients (MB)", ylabel="ms per step",
-                 title="Gradient sync per step: measured and predicted")
-        axes.legend(fontsize=8)
-        save("sync_cost", figure)
-    if ok("accumulation"):
-        result = results["accumulation"]
-        figure, (memory, speed) = plt.subplots(1, 2, figsize=(8, 3.6))
-        b, k = result["micro_batch"], result["k"]
-        labels = {"b_k1": f"batch {b}", "b_k8": f"{b} x k={k}", "8b_k1": f"batch {b * k}"}
-        memory.bar(list(labels.values()), [result["maxrss_mb"][key] for key in labels])
-        memory.set(ylabel="peak resident MB", title="Memory")
-        speedups = {f["name"].removeprefix("speedup_k8_"): f["median"]
-                    for f in result["figures"] if f["name"].startswith("speedup_k8_")}
-        speed.bar(list(speedups), list(speedups.values()))
-        speed.axhline(1.0, color="gray", linewidth=0.8)
-        speed.set(ylabel=f"samples/s, k={k} / k=1", title="Less communication")
-        save("accumulation", figure)
-    if ok("precision"):
-        figure, axes = plt.subplots(figsize=(5, 3.6))
-        bars = {"end to end": results["precision"]["speedup_bf16"],
-                "bare matmul": results["precision"]["matmul_speedup_bf16"]}
-        axes.bar(list(bars), list(bars.values()))
-        axes.axhline(1.0, color="gray", linewidth=0.8)
-        axes.set(ylabel="mixed_bfloat16 / float32", title="Mixed-precision speed-up (CPU)")
-        save("precision", figure)
-    if ok("projection"):
-        result = results["projection"]
-        figure, axes = plt.subplots(figsize=(8, 4.8))
-        for key, row in result["efficiency"].items():
-            if not key.startswith("resnet50") or result["headline_device"] not in key:
-                continue
-            axes.plot(result["workers"], row, marker="o",
-                      label=key.replace(f"resnet50, {result['headline_device']}, ", ""),
-                      linestyle="--" if "k=" in key else "-")
-        low, high = result["horovod_paper_128_gpus"]
-        axes.axhspan(low, high, color="gray", alpha=0.3, label="Horovod paper, 128 GPUs")
-        axes.set(xscale="log", xlabel="workers", ylabel="weak-scaling efficiency",
-                 ylim=(0, 1.05), title=f"ResNet-50, projected (ring model, no overlap)\n"
-                 f"compute: {result['headline_device']}")
-        axes.set_xticks(result["workers"], [str(n) for n in result["workers"]])
-        axes.legend(fontsize=7, loc="lower left")
-        save("projection", figure)
-    plt.close("all")
-    return plots
 
 
 def render_readme_table(results: dict[str, dict]) -> str:

@@ -16,24 +16,30 @@ under `mpirun`), and for gradients shaped like three MLPs' (about 0.1, 10 and
 Both run inside a `tf.function`, alternately, warm-up excluded; the figure is the
 median over rounds of tfdist's time over raw's (target <= 1.1).
 
-The cost model is the ring all-reduce's, T(S) = 2(N-1)/N x S / B + 2(N-1) x a for S
-bytes on N replicas, with a per-tensor term and, between local processes, two
-bandwidths (see `RingModel`). In the same run each strategy's reduction is timed on
-calibration runs, single tensors of 1/32 to 128 MB and 16 and 64 tensors of 4 KB;
-the model is fitted to those (least squares on relative error) and predicts the
-three gradient sets, none of which it was fitted on. Target: within 25%.
+The cost model (ring_model.py) is the ring all-reduce's, 2(N-1)/N x S / B + 2(N-1) x a
+for S bytes on N replicas, plus what a list of tensors costs beyond one tensor (a copy
+of its pack where the implementation makes one, an op per tensor), with a bandwidth
+that falls once at a fitted size. In the same run each strategy's reduction is timed
+on calibration runs: single tensors of 1/32 to 128 MB, lists of 4 tensors and a
+10-element bias of 2 to 64 MB in all, and 16 and 64 tensors of 4 KB; the model is
+fitted to those (least squares on relative error) and predicts the three gradient
+sets, none of which it was fitted on. Target: within 25%.
+
+In the processes of `multi_worker` and `horovod`, a barrier (an all-reduce of one
+number, untimed) precedes every timed call, so that no call is timed while waiting
+for the other process to finish the previous one.
 
     .venv/bin/python benchmarks/sync_cost.py [--repeats 15]
 
 The last line is JSON: per strategy and size the tfdist/raw ratio, the measured and
-predicted milliseconds, and the fitted bandwidth (GB/s) and latency (us).
+predicted milliseconds, the fitted constants, and each calibration run against its fit.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import math
 import os
 import shutil
 import statistics
@@ -43,20 +49,33 @@ import tempfile
 
 import numpy as np
 
-from method import emit, figure, interleaved
+from method import emit, figure, interleaved, rounded
+from ring_model import REPLICAS, fit_ring_model, pack_is_copied, predict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-REPLICAS = 2
 # Dense layer widths, input first: gradients of about 0.1, 10 and 100 MB (weights and biases).
 MODELS = {"0.1": (100, 128, 64, 10), "10": (1024, 1024, 1024, 512, 10),
           "100": (4096, 4096, 2048, 1024, 10)}
-# Single-tensor calibration sizes, clear of the cache line (2S = LLC: 16 MB on a 32 MB
-# cache), where the bandwidth is neither one nor the other.
-FIT_MB = (1 / 32, 1 / 4, 2, 8, 64, 128)
+# Single-tensor calibration sizes: dense enough on both sides of where the bandwidth
+# falls (near the last-level cache for MPI, 64-96 MB for gRPC here) to place the fall.
+FIT_MB = (1 / 32, 1 / 4, 1, 2, 4, 8, 24, 32, 48, 64, 96, 128)
+# Lists of 4 tensors and a 10-element bias (a classifier's) of 2 to 64 MB in all: what
+# a pack's copy costs (the 40 bytes make TensorFlow copy its pack, see `pack_is_copied`).
+PACKED, PACKED_MB, BIAS = 4, (2, 8, 32, 64), 10
 COUNTS, SMALL_TENSOR = (16, 64), 1024  # many 4 KB tensors, for the per-tensor cost
 STRATEGIES = ("mirrored", "multi_worker", "horovod")
+def describe(elements: list[int]) -> str:
+    """A calibration run's name: "4x131072+10" is 4 tensors of 131072 elements and one of 10."""
+    parts, index = [], 0
+    while index < len(elements):
+        run = 1
+        while index + run < len(elements) and elements[index + run] == elements[index]:
+            run += 1
+        parts.append(f"{run}x{elements[index]}" if run > 1 else str(elements[index]))
+        index += run
+    return "+".join(parts)
 
 
 def gradient_shapes(widths: tuple[int, ...]) -> list[list[int]]:
@@ -67,7 +86,8 @@ def gradient_shapes(widths: tuple[int, ...]) -> list[list[int]]:
     return shapes
 
 
-def timings(strategy_name: str, reduce_list, reduce_flat, args: argparse.Namespace) -> dict:
+def timings(strategy_name: str, reduce_list, reduce_flat, args: argparse.Namespace,
+            barrier=None) -> dict:
     """Times the calibration runs and each model's tfdist and raw reductions, interleaved.
 
     Every run is timed once per round, all rounds alike, so the calibration the model
@@ -79,34 +99,40 @@ def timings(strategy_name: str, reduce_list, reduce_flat, args: argparse.Namespa
             tfdist reduction of such gradients once.
         reduce_flat: The same for the raw collective on one flat tensor of n elements.
         args: The command line.
+        barrier: A call that returns once every process has reached it (None: one
+            process), run untimed before each timed call.
 
     Returns:
         {"sweep": {bytes: [seconds]} of the raw collective,
-         "calibration": {"<tensors>x<elements>": [seconds]} of the tfdist reduction,
-         "models": {name: {"bytes", "tensors", "raw": [seconds], "tfdist": [seconds]}}}
+         "calibration": {name: {"elements": [per tensor], "seconds": [...]}} of the
+             tfdist reduction,
+         "models": {name: {"elements": [per tensor], "raw": [seconds], "tfdist": [seconds]}}}
     """
-    runs, sweep_keys, models = {}, {}, {}
-    for megabytes in args.fit_mb:
-        elements = int(megabytes * 2**20) // 4
-        runs[f"raw 1x{elements}"] = reduce_flat(elements)
-        runs[f"1x{elements}"] = reduce_list([[elements]])
-        sweep_keys[elements * 4] = f"raw 1x{elements}"
-    for count in COUNTS:  # many small tensors: the cost of each tensor apart from its bytes
-        runs[f"{count}x{SMALL_TENSOR}"] = reduce_list([[SMALL_TENSOR]] * count)
+    runs, sweep_keys, calibration, models = {}, {}, {}, {}
+    lists = [[int(megabytes * 2**20) // 4] for megabytes in args.fit_mb]
+    lists += [[int(megabytes * 2**20) // 4 // PACKED] * PACKED + [BIAS]
+              for megabytes in args.packed_mb]
+    lists += [[SMALL_TENSOR] * count for count in COUNTS]  # the cost of each tensor apart
+    for elements in lists:                                 # from its bytes
+        if len(elements) == 1:
+            runs[f"raw {elements[0]}"] = reduce_flat(elements[0])
+            sweep_keys[elements[0] * 4] = f"raw {elements[0]}"
+        calibration[describe(elements)] = {"elements": elements}
+        runs[describe(elements)] = reduce_list([[count] for count in elements])
     for name in args.models:
         shapes = gradient_shapes(MODELS[name])
-        elements = sum(int(np.prod(shape)) for shape in shapes)
-        runs[f"raw {name}"] = reduce_flat(elements)
+        elements = [int(np.prod(shape)) for shape in shapes]
+        runs[f"raw {name}"] = reduce_flat(sum(elements))
         runs[f"tfdist {name}"] = reduce_list(shapes)
-        models[name] = {"bytes": elements * 4, "tensors": len(shapes)}
-    seconds = interleaved(runs, args.repeats)
+        models[name] = {"elements": elements}
+    seconds = interleaved(runs, args.repeats, before=barrier)
     for name, model in models.items():
         model.update(raw=seconds[f"raw {name}"], tfdist=seconds[f"tfdist {name}"])
+    for name, run in calibration.items():
+        run["seconds"] = seconds[name]
     return {"strategy": strategy_name,
             "sweep": {size: seconds[key] for size, key in sweep_keys.items()},
-            "calibration": {key: values for key, values in seconds.items()
-                            if not key.startswith(("raw ", "tfdist "))},
-            "models": models}
+            "calibration": calibration, "models": models}
 
 
 def first_elements(tensors) -> object:
@@ -149,6 +175,7 @@ def tf_distribute_role(args: argparse.Namespace) -> dict:
     if args.role == "mirrored":
         def reduce_flat(elements):
             return run(keras_reduction, per_replica([[elements]]))
+        barrier = None  # one process
     else:
         from tensorflow.python.ops import collective_ops
 
@@ -162,7 +189,8 @@ def tf_distribute_role(args: argparse.Namespace) -> dict:
                     tensors[0], group_size=REPLICAS, group_key=100, instance_key=instance_key,
                     communication_hint="ring")])
             return run(collective, per_replica([[elements]]))
-    return timings(args.role, reduce_list, reduce_flat, args)
+        barrier = reduce_flat(1)
+    return timings(args.role, reduce_list, reduce_flat, args, barrier)
 
 
 def horovod_role(args: argparse.Namespace) -> dict:
@@ -186,7 +214,7 @@ def horovod_role(args: argparse.Namespace) -> dict:
         step = tf.function(lambda tensor: first_elements([hvd.allreduce(tensor, op=hvd.Average)]))
         return lambda: float(step(tensor))
 
-    return timings("horovod", reduce_list, reduce_flat, args)
+    return timings("horovod", reduce_list, reduce_flat, args, barrier=reduce_flat(1))
 
 
 def measure(strategy_name: str, args: argparse.Namespace) -> dict:
@@ -195,7 +223,8 @@ def measure(strategy_name: str, args: argparse.Namespace) -> dict:
     role = [sys.executable, os.path.abspath(__file__), f"--role={strategy_name}",
             f"--output={folder}", f"--repeats={args.repeats}",
             *(f"--models={name}" for name in args.models),
-            *(f"--fit_mb={mb}" for mb in args.fit_mb)]
+            *(f"--fit_mb={mb}" for mb in args.fit_mb),
+            *(f"--packed_mb={mb}" for mb in args.packed_mb)]
     if strategy_name == "multi_worker":
         command = [os.path.join(os.path.dirname(sys.executable), "tfdist"), "launch", "-n",
                    str(REPLICAS), "--", *role]
@@ -218,85 +247,6 @@ def measure(strategy_name: str, args: argparse.Namespace) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class RingModel:
-    """The ring all-reduce's cost, with a per-tensor term and the local link's two bandwidths.
-
-        T(S, n) = 2(N-1)/N x S / B(S) + 2(N-1) x a + (n - 1) x t
-
-    for S bytes in n tensors on N replicas. The ring's terms are the textbook ones;
-    the per-tensor term t is what a gradient list costs beyond one buffer of the same
-    bytes (packing into one buffer and out, Horovod's fusion buffer, an op per
-    tensor), which dominates small models. Between processes on one machine the link
-    is the memory system, whose bandwidth falls once a message and its result no
-    longer fit in the last-level cache: B(S) = B_cache if 2S <= LLC, else B_memory.
-
-    Attributes:
-        bandwidth_cache: B for messages that fit in the cache (bytes/s).
-        bandwidth_memory: B for larger ones (bytes/s).
-        latency: a, per step of the ring (s); with N = 2 it also holds the call's fixed cost.
-        per_tensor: t (s).
-        cache_bytes: The last-level cache's size (0: unknown; one bandwidth for all sizes).
-    """
-
-    bandwidth_cache: float
-    bandwidth_memory: float
-    latency: float
-    per_tensor: float
-    cache_bytes: int
-
-    def fits_in_cache(self, size_bytes: float) -> bool:
-        return not self.cache_bytes or 2 * size_bytes <= self.cache_bytes
-
-    def seconds(self, size_bytes: float, tensors: int = 1, replicas: int = REPLICAS) -> float:
-        """T(S, n) on N replicas."""
-        bandwidth = (self.bandwidth_cache if self.fits_in_cache(size_bytes)
-                     else self.bandwidth_memory)
-        return (ring_seconds(size_bytes, bandwidth, self.latency, replicas)
-                + (tensors - 1) * self.per_tensor)
-
-
-def ring_seconds(size_bytes: float, bandwidth: float, latency: float,
-                 replicas: int = REPLICAS) -> float:
-    """The ring all-reduce's time: 2(N-1)/N x S / B + 2(N-1) x a."""
-    return 2 * (replicas - 1) / replicas * size_bytes / bandwidth + 2 * (replicas - 1) * latency
-
-
-def fit_ring_model(calibration: dict[str, list[float]], cache_bytes: int,
-                   replicas: int = REPLICAS) -> RingModel:
-    """Fits the RingModel to the median time of each calibration run.
-
-    Least squares on relative error: the model is linear in 1/B_cache, 1/B_memory,
-    a and t, and dividing each row by its measured time weighs every run alike, so
-    the small ones (where latency shows) count as much as the large ones. A side of
-    the cache line with no run takes the other side's bandwidth.
-
-    Args:
-        calibration: "<tensors>x<elements per tensor>" -> seconds of each timed call.
-        cache_bytes: The last-level cache's size; 0: one bandwidth.
-        replicas: N.
-    """
-    runs = [tuple(int(part) for part in key.split("x")) for key in calibration]
-    sizes = np.array([4.0 * count * elements for count, elements in runs])
-    counts = np.array([float(count) for count, _ in runs])
-    times = np.array([statistics.median(seconds) for seconds in calibration.values()])
-    steps = 2 * (replicas - 1)
-    in_cache = np.array([not cache_bytes or 2 * size <= cache_bytes for size in sizes])
-    columns = [steps / replicas * sizes * in_cache, steps / replicas * sizes * ~in_cache,
-               steps * np.ones_like(sizes), counts - 1]
-    used = [column.any() for column in columns]
-    design = np.stack([column for column, use in zip(columns, used) if use], axis=1)
-    solution = iter(np.linalg.lstsq(design / times[:, None], np.ones_like(times),
-                                    rcond=None)[0])
-    inverse_cache, inverse_memory, latency, per_tensor = (
-        float(next(solution)) if use else None for use in used)
-    inverse_cache = inverse_cache if inverse_cache is not None else inverse_memory
-    inverse_memory = inverse_memory if inverse_memory is not None else inverse_cache
-    return RingModel(bandwidth_cache=1 / inverse_cache, bandwidth_memory=1 / inverse_memory,
-                     latency=max(latency, 0.0), per_tensor=max(per_tensor or 0.0, 0.0),
-                     cache_bytes=cache_bytes)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds (every run once "
@@ -305,6 +255,9 @@ def main() -> None:
                         help="gradient sets by MB (default: all)")
     parser.add_argument("--fit_mb", action="append", type=float,
                         help="single-tensor sizes the model is fitted on (default: 1/32 to 128 MB)")
+    parser.add_argument("--packed_mb", action="append", type=float,
+                        help=f"lists of {PACKED} tensors and a bias the model is fitted on, "
+                             "by MB in all (default: 2, 8, 64)")
     parser.add_argument("--strategies", action="append", choices=STRATEGIES,
                         help="default: all three (horovod only where Open MPI and Horovod are)")
     parser.add_argument("--role", choices=STRATEGIES, help=argparse.SUPPRESS)
@@ -312,6 +265,7 @@ def main() -> None:
     args = parser.parse_args()
     args.models = args.models or list(MODELS)
     args.fit_mb = args.fit_mb or list(FIT_MB)
+    args.packed_mb = args.packed_mb or list(PACKED_MB)
     if args.role:
         results = horovod_role(args) if args.role == "horovod" else tf_distribute_role(args)
         replica = _replica_index(args.role)
@@ -327,50 +281,71 @@ def main() -> None:
     from tfdist.cluster import detect_cluster
 
     cache_bytes = detect_cluster(probe_gpus=False).cpu_cache_bytes
-    figures, table, fits, sweeps = [], {}, {}, {}
+    figures, table, fits, sweeps, calibration = [], {}, {}, {}, {}
     for strategy_name in strategies:
         result = measure(strategy_name, args)
-        model_fit = fit_ring_model(result["calibration"], cache_bytes)
-        fits[strategy_name] = {"bandwidth_cache_gbps": model_fit.bandwidth_cache / 1e9,
-                               "bandwidth_memory_gbps": model_fit.bandwidth_memory / 1e9,
+        model_fit = fit_ring_model(
+            [(4.0 * sum(run["elements"]), len(run["elements"]),
+              pack_is_copied(strategy_name, run["elements"]), statistics.median(run["seconds"]))
+             for run in result["calibration"].values()])
+        fits[strategy_name] = {"bandwidth_small_gbps": model_fit.bandwidth_small / 1e9,
+                               "bandwidth_large_gbps": model_fit.bandwidth_large / 1e9,
+                               "switch_mb": model_fit.switch_bytes / 2**20,
                                "latency_us": model_fit.latency * 1e6,
+                               "pack_gbps": model_fit.pack_bandwidth / 1e9,
                                "per_tensor_us": model_fit.per_tensor * 1e6}
+        calibration[strategy_name] = {  # how well the fit fits its own data
+            key: {"ms": statistics.median(run["seconds"]) * 1e3,
+                  "model_ms": predict(model_fit, strategy_name, run["elements"]) * 1e3}
+            for key, run in result["calibration"].items()}
         sweeps[strategy_name] = {int(size): statistics.median(seconds) * 1e3
                                  for size, seconds in result["sweep"].items()}
         for name, model in result["models"].items():
-            predicted = model_fit.seconds(model["bytes"], model["tensors"])
-            ratio = figure(f"{strategy_name}_{name}mb_ratio",
-                           f"{strategy_name}, {model['bytes'] / 2**20:.3g} MB in "
-                           f"{model['tensors']} tensors: tfdist / raw collective, time",
-                           [ours / raw for raw, ours in zip(model["raw"], model["tfdist"])],
-                           target="<= 1.1")
-            error = figure(f"{strategy_name}_{name}mb_model_error",
-                           f"{strategy_name}, {model['bytes'] / 2**20:.3g} MB: ring model's "
-                           "error, abs(predicted / measured - 1)", [abs(predicted / statistics.median(model["tfdist"])
-                                                 - 1)], target="<= 0.25")
-            figures += [ratio, error]
+            size, tensors = 4 * sum(model["elements"]), len(model["elements"])
+            predicted = predict(model_fit, strategy_name, model["elements"])
+            measured = statistics.median(model["tfdist"])
+            what = f"{strategy_name}, {size / 2**20:.3g} MB in {tensors} tensors"
+            figures += [
+                figure(f"{strategy_name}_{name}mb_ratio", f"{what}: tfdist / raw collective, time",
+                       [ours / raw for raw, ours in zip(model["raw"], model["tfdist"])],
+                       target="<= 1.1"),
+                figure(f"{strategy_name}_{name}mb_model_error",
+                       f"{what}: ring model's error, abs(predicted / measured - 1)",
+                       [abs(predicted / measured - 1)], target="<= 0.25")]
             table[f"{strategy_name}_{name}"] = {
-                "megabytes": model["bytes"] / 2**20, "tensors": model["tensors"],
-                "tfdist_ms": statistics.median(model["tfdist"]) * 1e3,
+                "megabytes": size / 2**20, "tensors": tensors, "tfdist_ms": measured * 1e3,
                 "raw_ms": statistics.median(model["raw"]) * 1e3, "model_ms": predicted * 1e3}
     print(f"{'strategy':<13} {'MB':>6} {'tensors':>7} {'tfdist ms':>10} {'raw ms':>8} "
           f"{'ratio':>6} {'model ms':>9} {'error':>6}")
     for key, row in table.items():
-        strategy_name = key.rsplit("_", 1)[0]
-        print(f"{strategy_name:<13} {row['megabytes']:>6.2f} {row['tensors']:>7} "
+        print(f"{key.rsplit('_', 1)[0]:<13} {row['megabytes']:>6.2f} {row['tensors']:>7} "
               f"{row['tfdist_ms']:>10.2f} {row['raw_ms']:>8.2f} "
               f"{row['tfdist_ms'] / row['raw_ms']:>6.3f} {row['model_ms']:>9.2f} "
               f"{row['model_ms'] / row['tfdist_ms'] - 1:>+6.0%}")
     for strategy_name, fit in fits.items():
-        print(f"{strategy_name}: fitted ring model B = {fit['bandwidth_cache_gbps']:.3f} GB/s "
-              f"in cache, {fit['bandwidth_memory_gbps']:.3f} GB/s beyond, "
-              f"a = {fit['latency_us']:.0f} us, t = {fit['per_tensor_us']:.0f} us per tensor; raw collective (MB: ms) " + ", ".join(
-                  f"{size / 2**20:.3g}: {ms:.2f}" for size, ms in sweeps[strategy_name].items()))
+        print(f"{strategy_name}: fitted B = {fit['bandwidth_small_gbps']:.3f} GB/s up to "
+              f"{fit['switch_mb']:.3g} MB, {fit['bandwidth_large_gbps']:.3f} GB/s beyond, "
+              f"a = {fit['latency_us']:.0f} us, P = {fit['pack_gbps']:.3g} GB/s, "
+              f"t = {fit['per_tensor_us']:.0f} us per tensor")
+        print("  calibration (elements per tensor: measured / model ms): " + ", ".join(
+            f"{key}: {row['ms']:.2f} / {row['model_ms']:.2f}"
+            for key, row in calibration[strategy_name].items()))
+        print("  raw collective (MB: ms): " + ", ".join(
+            f"{size / 2**20:.3g}: {ms:.2f}" for size, ms in sweeps[strategy_name].items()))
     emit("sync_cost", figures, replicas=REPLICAS, repeats=args.repeats, cache_bytes=cache_bytes,
-         fit={name: {k: round(v, 4) for k, v in fit.items()} for name, fit in fits.items()},
-         sweep_ms={name: {str(size): round(ms, 4) for size, ms in sweep.items()}
+         fit={name: {key: json_number(value) for key, value in fit.items()}
+              for name, fit in fits.items()},
+         calibration={name: {key: {k: rounded(v) for k, v in row.items()}
+                             for key, row in rows.items()}
+                      for name, rows in calibration.items()},
+         sweep_ms={name: {str(size): rounded(ms) for size, ms in sweep.items()}
                    for name, sweep in sweeps.items()},
-         table={key: {k: round(v, 4) for k, v in row.items()} for key, row in table.items()})
+         table={key: {k: rounded(v) for k, v in row.items()} for key, row in table.items()})
+
+
+def json_number(value: float) -> float | None:
+    """`value` rounded for JSON; None for a term the fit found none of (infinite)."""
+    return rounded(value) if math.isfinite(value) else None
 
 
 def _replica_index(role: str) -> int:

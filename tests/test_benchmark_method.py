@@ -41,6 +41,15 @@ def test_interleaved_alternates_and_leaves_out_the_warm_up():
     assert [len(seconds["a"]), len(seconds["b"])] == [3, 3]
 
 
+def test_interleaved_runs_the_barrier_untimed_before_every_call():
+    calls = []
+    seconds = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                          repeats=2, warmup=1, before=lambda: (calls.append("|"),
+                                                               __import__("time").sleep(0.05)))
+    assert calls == ["|", "a", "|", "b"] * 3
+    assert max(seconds["a"] + seconds["b"]) < 0.05  # the barrier's time is not the call's
+
+
 def test_emit_prints_one_json_line_with_each_median(capsys):
     emit("demo", [figure("ratio", "A / B", [1.0, 2.0, 3.0], target="<= 2.5")], rounds=3)
     line = json.loads(capsys.readouterr().out)

@@ -13,7 +13,8 @@ import pytest
 from tests.conftest import REPO, last_json_line, run_command
 
 needs_horovod = [pytest.mark.requires_mpi, pytest.mark.requires_horovod]
-QUICK_SYNC_COST = ["--repeats", "1", "--models", "0.1", "--fit_mb", "0.03125", "--fit_mb", "0.25"]
+QUICK_SYNC_COST = ["--repeats", "1", "--models", "0.1", "--fit_mb", "0.03125", "--fit_mb", "0.25",
+                   "--packed_mb", "0.5"]
 
 
 def run_benchmark(script, args, cwd, timeout=240):
