@@ -21,15 +21,14 @@ and the k = 8 / k = 1 speed-ups under multi_worker and horovod.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 
 from method import emit, epoch_timer, figure
+from processes import mpirun, run_children, tfdist_launch, write_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -38,7 +37,7 @@ K = 8
 
 
 def run_setting(args: argparse.Namespace) -> None:
-    """One training run; the chief prints its peak memory and time per sample as JSON."""
+    """One training run; the chief reports its peak memory and time per sample."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -71,25 +70,21 @@ def run_setting(args: argparse.Namespace) -> None:
     model.fit(data, epochs=args.epochs, steps_per_epoch=steps_per_epoch, callbacks=[
         *runner.callbacks(), timer], verbose=0)
     if runner.is_chief:
-        print(json.dumps({"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                          "samples_per_sec": [steps_per_epoch * args.batch / seconds
-                                              for seconds in timer.seconds[1:]]}), flush=True)
+        write_report(args.output, {
+            "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "samples_per_sec": [steps_per_epoch * args.batch / seconds
+                                for seconds in timer.seconds[1:]]})
 
 
 def measure(launcher: list[str], strategy: str, model: str, batch: int, steps: int,
             args: argparse.Namespace) -> dict:
     """Runs one setting in fresh processes; returns the chief's peak memory (MB) and
     samples/s of each epoch after the first."""
-    command = [*launcher, sys.executable, os.path.abspath(__file__), f"--run={strategy}",
-               f"--model={model}", f"--batch={batch}", f"--steps={steps}",
-               f"--epochs={args.epochs}", f"--updates_per_epoch={args.updates_per_epoch}"]
-    result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    lines = [line[line.index("{"):] for line in result.stdout.splitlines()
-             if '"maxrss_mb"' in line]
-    if result.returncode != 0 or not lines:
-        raise SystemExit(f"{' '.join(command)} failed:\n{(result.stdout + result.stderr)[-3000:]}")
-    return json.loads(lines[-1])
+    return run_children([*launcher, sys.executable, os.path.abspath(__file__),
+                         f"--run={strategy}", f"--model={model}", f"--batch={batch}",
+                         f"--steps={steps}", f"--epochs={args.epochs}",
+                         f"--updates_per_epoch={args.updates_per_epoch}"],
+                        what=f"accumulation: {strategy}, {model}, k={steps}")
 
 
 def main() -> None:
@@ -101,6 +96,7 @@ def main() -> None:
     parser.add_argument("--model", default="cnn", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
         run_setting(args)
@@ -123,11 +119,9 @@ def main() -> None:
     print(f"memory (MB): batch {b}: {small['maxrss_mb']:.0f}; micro-batch {b} x {K}: "
           f"{accumulated['maxrss_mb']:.0f}; batch {K * b}: {large['maxrss_mb']:.0f}")
     print(f"samples/s: micro-batch {b} x {K}: {rate['b_k8']:.0f}; batch {K * b}: {rate['8b']:.0f}")
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []  # Open MPI refuses root unasked
-    launchers = {"multi_worker": [str(os.path.join(os.path.dirname(sys.executable), "tfdist")),
-                                  "launch", "-n", "2", "--"]}
+    launchers = {"multi_worker": tfdist_launch(2)}
     if shutil.which("mpirun"):
-        launchers["horovod"] = [shutil.which("mpirun"), *root, "--oversubscribe", "-np", "2"]
+        launchers["horovod"] = mpirun(2)
     communication = {}
     for strategy, launcher in launchers.items():
         one = measure(launcher, strategy, "mlp", b, 1, args)

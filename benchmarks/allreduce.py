@@ -25,13 +25,14 @@ same round (1.0: no overhead; target >= 0.95).
 from __future__ import annotations
 
 import argparse
-import io
-import json
+import importlib.util
 import os
+import shutil
 import statistics
 import sys
 
 from method import emit, figure, interleaved
+from processes import mpirun, run_children, tfdist_launch, write_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -39,8 +40,8 @@ sys.path.insert(0, REPO)
 SIZES_MB = (1, 4, 16, 64)
 
 
-def worker(repeats: int) -> None:
-    """One worker: time all-reduces of each size; the chief prints GB/s as JSON."""
+def worker(repeats: int, output: str) -> None:
+    """One worker: time all-reduces of each size; the chief reports GB/s."""
     import tensorflow as tf
 
     import tfdist
@@ -64,13 +65,13 @@ def worker(repeats: int) -> None:
             strategy.experimental_local_results(all_reduce())[0])}, repeats)["ring"]
         results[str(size_mb)] = [size_mb * 2**20 / s / 1e9 for s in seconds]
     if runner.is_chief:
-        print(json.dumps({"ring": results}), flush=True)
+        write_report(output, results)
 
 
-def horovod_rank(repeats: int) -> None:
+def horovod_rank(repeats: int, output: str) -> None:
     """One Horovod rank: raw allreduce against the adapter's, interleaved.
 
-    The chief prints GB/s per size and round for each, as JSON.
+    The chief reports GB/s per size and round for each.
     """
     import horovod.tensorflow as hvd
     import keras
@@ -102,7 +103,7 @@ def horovod_rank(repeats: int) -> None:
         for column in results:
             results[column][name] = [megabytes * 2**20 / s / 1e9 for s in seconds[column]]
     if runner.is_chief:
-        print(json.dumps({"horovod": results}), flush=True)
+        write_report(output, results)
 
 
 def run_horovod(repeats: int, controller: str) -> dict[str, dict[str, list[float]]] | None:
@@ -110,28 +111,15 @@ def run_horovod(repeats: int, controller: str) -> dict[str, dict[str, list[float
 
     Returns None when Horovod or mpirun is missing.
     """
-    import importlib.util
-    import shutil
-    import subprocess
-
-    mpirun = shutil.which("mpirun")
-    if mpirun is None or importlib.util.find_spec("horovod") is None:
+    if shutil.which("mpirun") is None or importlib.util.find_spec("horovod") is None:
         return None
     rank = [sys.executable, os.path.abspath(__file__), "--horovod_rank", f"--repeats={repeats}"]
     if controller == "gloo":
         horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-        command = [horovodrun, "--gloo", "-np", "2", "-H", "localhost:2", *rank]
+        launcher = [horovodrun, "--gloo", "-np", "2", "-H", "localhost:2"]
     else:
-        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []  # Open MPI refuses root unasked
-        command = [mpirun, *root, "--oversubscribe", "-np", "2", *rank]
-    result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    # horovodrun prefixes each rank's lines with "[rank]<stdout>:".
-    lines = [line[line.index('{"horovod"'):] for line in result.stdout.splitlines()
-             if '{"horovod"' in line]
-    if result.returncode != 0 or not lines:
-        raise SystemExit(f"the Horovod ranks ({controller}) failed:\n"
-                         f"{(result.stdout + result.stderr)[-3000:]}")
-    return json.loads(lines[-1])["horovod"]
+        launcher = mpirun(2)
+    return run_children([*launcher, *rank], what=f"the Horovod ranks ({controller})")
 
 
 def memcpy_gbps(repeats: int) -> dict[str, list[float]]:
@@ -151,23 +139,16 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--horovod_rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=10, help="timed all-reduces per size")
+    parser.add_argument("--output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.repeats)
+        worker(args.repeats, args.output)
         return
     if args.horovod_rank:
-        horovod_rank(args.repeats)
+        horovod_rank(args.repeats, args.output)
         return
-    from tfdist.app.launch import launch, task_output
-
-    output = io.StringIO()
-    status = launch([sys.executable, os.path.abspath(__file__), "--worker",
-                     f"--repeats={args.repeats}"], 2, output=output)
-    lines = [line for line in task_output(output.getvalue(), "worker:0")
-             if line.startswith("{")]
-    if status != 0 or not lines:
-        raise SystemExit(f"the workers failed:\n{output.getvalue()[-3000:]}")
-    ring = json.loads(lines[-1])["ring"]
+    ring = run_children([*tfdist_launch(2), sys.executable, os.path.abspath(__file__),
+                         "--worker", f"--repeats={args.repeats}"], what="the TF RING workers")
     horovod = run_horovod(args.repeats, "mpi")
     gloo = run_horovod(args.repeats, "gloo")
     memcpy = memcpy_gbps(args.repeats)

@@ -21,11 +21,9 @@ Open MPI is missing).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
 from method import emit, figure, interleaved  # noqa: E402
+from processes import mpirun, run_children, write_report  # noqa: E402
 from tfdist.callbacks import Throughput  # noqa: E402
 from tfdist.devices import split_cpu  # noqa: E402
 
@@ -107,24 +106,14 @@ def save_milliseconds(folder: str, repeats: int = 10) -> list[float]:
 
 def horovod_vote_microseconds() -> tuple[float, float]:
     """(vote, check) in microseconds under mpirun -np 2; zeros without Open MPI."""
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
+    if shutil.which("mpirun") is None:
         return 0.0, 0.0
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    with tempfile.TemporaryDirectory() as folder:
-        result = subprocess.run([mpirun, *root, "--oversubscribe", "-np", "2", sys.executable,
-                                 os.path.abspath(__file__), "--vote", folder],
-                                capture_output=True, text=True, timeout=180,
-                                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-        report = os.path.join(folder, "rank0.json")  # rank 0's own file
-        if result.returncode or not os.path.exists(report):
-            raise RuntimeError(f"the Horovod vote failed: {result.stderr[-2000:]}")
-        with open(report) as stream:
-            figures = json.load(stream)
+    figures = run_children([*mpirun(2), sys.executable, os.path.abspath(__file__), "--vote"],
+                           what="the Horovod vote", timeout=180)
     return figures["vote_us"], figures["check_us"]
 
 
-def vote(folder: str) -> None:
+def vote(output: str) -> None:
     """On each rank: the gradient reduction with and without the vote, and the check."""
     runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "horovod"}))
     optimizer = runner.optimizer(keras.optimizers.SGD(0.1))  # reduces with Horovod
@@ -148,9 +137,8 @@ def vote(folder: str) -> None:
         times["check"].append(time.perf_counter() - started)
     median = {name: statistics.median(values[20:]) * 1e6 for name, values in times.items()}
     if runner.is_chief:
-        with open(os.path.join(folder, "rank0.json"), "w") as stream:
-            json.dump({"vote_us": median["with"] - median["without"],
-                       "check_us": median["check"]}, stream)
+        write_report(output, {"vote_us": median["with"] - median["without"],
+                              "check_us": median["check"]})
 
 
 def main() -> None:
@@ -158,10 +146,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11,
                         help="epochs per variant; the first is warm-up")
     parser.add_argument("--steps", type=int, default=40, help="steps per epoch")
-    parser.add_argument("--vote", metavar="FOLDER", help=argparse.SUPPRESS)
+    parser.add_argument("--vote", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vote:
-        return vote(args.vote)
+        return vote(args.output)
     split_cpu(2)
     folder = tempfile.mkdtemp(prefix="tfdist-benchmark-")
     try:

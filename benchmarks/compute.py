@@ -16,10 +16,10 @@ first epoch) for each model, with the backend, device, batch and precision.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 from method import epoch_timer
+from processes import write_report
 
 MODELS = ("resnet50", "mlp100m")
 MLP_WIDTHS = (8192, 8192, 4096, 1000)  # 67.1 M + 33.6 M + 4.1 M weights: about 100 M
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--precision", default="float32",
                         help="a Keras dtype policy: float32, mixed_bfloat16, mixed_float16")
     parser.add_argument("--models", action="append", choices=MODELS)
+    parser.add_argument("--output", help="write the JSON here rather than print it")
     args = parser.parse_args()
 
     import keras
@@ -84,8 +85,9 @@ def main() -> None:
     for name, result in results.items():
         print(f"{name}: {result['ms']:.1f} ms per step of {args.batch} "
               f"({result['parameters'] / 1e6:.1f} M parameters, {backend} on {device})")
-    print(json.dumps({"benchmark": "compute", "backend": backend, "device": device,
-                      "batch": args.batch, "precision": args.precision, "models": results}))
+    write_report(args.output, {"benchmark": "compute", "backend": backend, "device": device,
+                               "batch": args.batch, "precision": args.precision,
+                               "models": results})
 
 
 if __name__ == "__main__":

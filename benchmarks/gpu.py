@@ -24,15 +24,13 @@ peak memory ratio of k = 4.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 
 from method import emit, figure
+from processes import mpirun, run_children, write_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -66,7 +64,14 @@ def run_variant(args: argparse.Namespace) -> None:
     runner = tfdist.Runner(tfdist.load_config(overrides=overrides))
     batch = args.batch // args.accumulation
     with runner.scope():
-        model = keras.applications.ResNet50(weights=None, input_shape=(args.image, args.image, 3))
+        shape = (args.image, args.image, 3)
+        if args.model == "resnet50":
+            model = keras.applications.ResNet50(weights=None, input_shape=shape)
+        else:  # to check this benchmark's code quickly, not to measure
+            model = keras.Sequential([keras.Input(shape),
+                                      keras.layers.Conv2D(8, 3, activation="relu"),
+                                      keras.layers.GlobalAveragePooling2D(),
+                                      keras.layers.Dense(1000, activation="softmax")])
         model.compile(optimizer=runner.optimizer(keras.optimizers.SGD(0.01)),
                       loss="sparse_categorical_crossentropy", jit_compile=args.xla)
     rng = np.random.default_rng(0)
@@ -79,7 +84,7 @@ def run_variant(args: argparse.Namespace) -> None:
         model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0,
                   callbacks=runner.callbacks())
 
-    print(f"Model: ResNet50, batch size: {args.batch}, strategy: {args.strategy}, "
+    print(f"Model: {'ResNet50' if args.model == 'resnet50' else args.model}, batch size: {args.batch}, strategy: {args.strategy}, "
           f"precision: {args.precision}, XLA: {args.xla}, accumulation: {args.accumulation}")
     benchmark_step(10 * args.accumulation)  # warm-up
     rates = []
@@ -95,7 +100,7 @@ def run_variant(args: argparse.Namespace) -> None:
     if not args.cpu:
         peak = tf.config.experimental.get_memory_info("GPU:0")["peak"]
     if runner.is_chief:
-        print(json.dumps({"rates": rates, "peak_bytes": peak}), flush=True)
+        write_report(args.output, {"rates": rates, "peak_bytes": peak})
 
 
 def launch(strategy: str, precision: str, xla: bool, accumulation: int,
@@ -103,20 +108,13 @@ def launch(strategy: str, precision: str, xla: bool, accumulation: int,
     command = [sys.executable, os.path.abspath(__file__), "--variant", f"--strategy={strategy}",
                f"--precision={precision}", f"--accumulation={accumulation}",
                f"--batch={args.batch}", f"--image={args.image}", f"--iters={args.iters}",
-               f"--batches_per_iter={args.batches_per_iter}", *(["--xla"] if xla else []),
+               f"--batches_per_iter={args.batches_per_iter}", f"--model={args.model}",
+               *(["--xla"] if xla else []),
                *(["--cpu"] if args.cpu else [])]
     if strategy == "horovod":
-        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []  # Open MPI refuses root
-        command = [shutil.which("mpirun") or "mpirun", *root, "-np", "1", *command]
-    result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    for line in result.stdout.splitlines():
-        if not line.startswith("{"):
-            print(line)
-    lines = [line for line in result.stdout.splitlines() if line.startswith('{"rates"')]
-    if result.returncode or not lines:
-        raise SystemExit(f"gpu: {strategy}/{precision} failed:\n{result.stderr[-3000:]}")
-    return json.loads(lines[-1])
+        command = [*mpirun(1), *command]
+    # The children print Horovod's lines (Iter #..., Img/sec per GPU); they are shown.
+    return run_children(command, what=f"gpu: {strategy}/{precision}", echo=True)
 
 
 def main() -> None:
@@ -128,11 +126,14 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true",
                         help="run on the CPU: a check of the code, not a measurement")
     parser.add_argument("--only", type=int, help="run only the first N variants")
+    parser.add_argument("--model", choices=("resnet50", "small"), default="resnet50",
+                        help="small: a one-layer CNN, to check the code quickly")
     parser.add_argument("--variant", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
     parser.add_argument("--precision", help=argparse.SUPPRESS)
     parser.add_argument("--xla", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
         return run_variant(args)

@@ -30,15 +30,13 @@ The last line is JSON: `horovod_per_tensor_over_grouped` and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 
 from method import emit, figure
+from processes import mpirun, run_children, tfdist_launch, write_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -93,8 +91,7 @@ def horovod_ranks(args: argparse.Namespace) -> None:
             model.fit(dataset, epochs=1, verbose=0, shuffle=False,
                       callbacks=[*runner.callbacks(), timer])
     if runs["grouped"][0].is_chief:
-        with open(os.path.join(args.output, "rank0.json"), "w") as stream:
-            json.dump({name: run[3].epoch_rates[1:] for name, run in runs.items()}, stream)
+        write_report(args.output, {name: run[3].epoch_rates[1:] for name, run in runs.items()})
 
 
 def multi_worker_task(args: argparse.Namespace) -> None:
@@ -108,19 +105,7 @@ def multi_worker_task(args: argparse.Namespace) -> None:
     model.fit(dataset, epochs=args.epochs, verbose=0, shuffle=False,
               callbacks=[*runner.callbacks(), timer])
     if runner.is_chief:
-        with open(os.path.join(args.output, "chief.json"), "w") as stream:
-            json.dump(timer.epoch_rates[1:], stream)
-
-
-def run(command: list[str], report: str) -> object:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=280,
-                            stdin=subprocess.DEVNULL,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    if result.returncode or not os.path.exists(report):
-        raise SystemExit(f"overlap: {' '.join(command[:3])} ... failed:\n"
-                         f"{(result.stdout + result.stderr)[-3000:]}")
-    with open(report) as stream:
-        return json.load(stream)
+        write_report(args.output, timer.epoch_rates[1:])
 
 
 def main() -> None:
@@ -144,34 +129,26 @@ def main() -> None:
               f"--steps={args.steps}", f"--model={args.model}"]
     figures, rates = [], {}
     label = "ResNet-50 (214 tensors)" if args.model == "resnet50" else "small CNN"
-    with tempfile.TemporaryDirectory() as folder:
-        mpirun = shutil.which("mpirun")
-        if mpirun:
-            root = ["--allow-run-as-root"] if os.geteuid() == 0 else []  # Open MPI refuses root
-            horovod = run([mpirun, *root, "--oversubscribe", "-np", "2", *script,
-                           "--role=horovod", f"--output={folder}"],
-                          os.path.join(folder, "rank0.json"))
-            rates["horovod"] = horovod
-            figures.append(figure(
-                "horovod_per_tensor_over_grouped", f"horovod, {label}, 2 ranks: "
-                "step time, per-tensor allreduce / one grouped allreduce",
-                [grouped / per_tensor for grouped, per_tensor in zip(horovod["grouped"],
-                                                                     horovod["per_tensor"])]))
-        tfdist_cli = os.path.join(os.path.dirname(sys.executable), "tfdist")
-        packs = {"one_pack": [], "packed": []}
-        for _ in range(args.repeats):
-            for name, pack in (("one_pack", 0), ("packed", PACK_BYTES)):
-                report = os.path.join(folder, "chief.json")
-                if os.path.exists(report):
-                    os.remove(report)
-                packs[name] += run([tfdist_cli, "launch", "-n", "2", "--", *script,
-                                    "--role=multi_worker", f"--bytes_per_pack={pack}",
-                                    f"--output={folder}"], report)
-        rates["multi_worker"] = packs
+    if shutil.which("mpirun"):
+        horovod = run_children([*mpirun(2), *script, "--role=horovod"],
+                               what="overlap: the horovod ranks")
+        rates["horovod"] = horovod
         figures.append(figure(
-            "multi_worker_packed_over_one_pack", f"multi_worker, {label}, "
-            "2 workers: step time, 25 MB packs / one pack",
-            [one / packed for one, packed in zip(packs["one_pack"], packs["packed"])]))
+            "horovod_per_tensor_over_grouped", f"horovod, {label}, 2 ranks: "
+            "step time, per-tensor allreduce / one grouped allreduce",
+            [grouped / per_tensor for grouped, per_tensor in zip(horovod["grouped"],
+                                                                 horovod["per_tensor"])]))
+    packs = {"one_pack": [], "packed": []}
+    for _ in range(args.repeats):
+        for name, pack in (("one_pack", 0), ("packed", PACK_BYTES)):
+            packs[name] += run_children([*tfdist_launch(2), *script, "--role=multi_worker",
+                                         f"--bytes_per_pack={pack}"],
+                                        what=f"overlap: multi_worker, {name}")
+    rates["multi_worker"] = packs
+    figures.append(figure(
+        "multi_worker_packed_over_one_pack", f"multi_worker, {label}, "
+        "2 workers: step time, 25 MB packs / one pack",
+        [one / packed for one, packed in zip(packs["one_pack"], packs["packed"])]))
     steps_per_sec = {strategy: {name: statistics.median(values) / (2 * BATCH)
                                 for name, values in settings.items()}
                      for strategy, settings in rates.items()}

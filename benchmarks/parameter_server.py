@@ -21,14 +21,13 @@ The last line is JSON: steps/s of both and their ratio per setting, and the lowe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 from method import emit, epoch_timer, figure
+from processes import run_children, tfdist_launch, write_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -53,7 +52,7 @@ def raw_function(strategy, model, steps):
 
 
 def measure_on_chief(args: argparse.Namespace) -> None:
-    """Runs on every task; the chief times both loops and prints one JSON line."""
+    """Runs on every task; the chief times both loops and reports their rates."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -105,21 +104,15 @@ def measure_on_chief(args: argparse.Namespace) -> None:
         fit_rates = fitted[1:args.repeats + 1] + fitted[args.repeats + 2:]
         results[spe] = {"raw": raw_rates, "tfdist": fit_rates}
     if runner.is_chief:
-        print(json.dumps(results), flush=True)
+        write_report(args.output, results)
 
 
 def run_cluster(workers: int, args: argparse.Namespace) -> dict:
-    tfdist_cli = os.path.join(os.path.dirname(sys.executable), "tfdist")
-    command = [tfdist_cli, "launch", "-n", str(workers), "--ps", "1", "--", sys.executable,
-               os.path.abspath(__file__), "--measure", f"--steps={args.steps}",
-               f"--repeats={args.repeats}", *(f"--spe={spe}" for spe in args.spe)]
-    result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=1200)
-    lines = [line.split("] ", 1)[1] for line in result.stdout.splitlines()
-             if line.startswith("[chief:0] {")]
-    if result.returncode != 0 or not lines:
-        sys.exit(f"the {workers}-worker cluster failed:\n{result.stdout[-3000:]}")
-    return {int(spe): figures for spe, figures in json.loads(lines[-1]).items()}
+    results = run_children([*tfdist_launch(workers, parameter_servers=1), sys.executable,
+                            os.path.abspath(__file__), "--measure", f"--steps={args.steps}",
+                            f"--repeats={args.repeats}", *(f"--spe={spe}" for spe in args.spe)],
+                           what=f"the {workers}-worker cluster")
+    return {int(spe): figures for spe, figures in results.items()}
 
 
 def main() -> None:
@@ -132,6 +125,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, action="append",
                         help="worker counts (default: 1, 2)")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.spe = args.spe or list(STEPS_PER_EXECUTION)
     if any(args.steps % spe for spe in args.spe):

@@ -15,7 +15,6 @@ mixed_bfloat16's (the target on a CPU with AVX512_BF16 or AMX is >= 1.4).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 

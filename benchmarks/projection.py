@@ -37,10 +37,10 @@ import glob
 import json
 import math
 import os
-import subprocess
 import sys
 
 from method import emit, figure
+from processes import run_children
 from ring_model import RingModel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,13 +57,9 @@ def efficiency(compute: float, sync: float, k: int = 1) -> float:
 
 def compute_times(args: argparse.Namespace) -> list[dict]:
     """This machine's compute times (measured now), then the recorded GPU ones."""
-    command = [sys.executable, os.path.join(HERE, "compute.py"), f"--batch={args.batch}",
-               f"--steps={args.steps}"]
-    result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode or not lines:
-        raise SystemExit(f"projection: compute.py failed:\n{result.stderr[-3000:]}")
-    measured = [json.loads(lines[-1])]
+    measured = [run_children([sys.executable, os.path.join(HERE, "compute.py"),
+                              f"--batch={args.batch}", f"--steps={args.steps}"],
+                             what="projection: compute.py")]
     for path in sorted(glob.glob(os.path.join(HERE, "measured", "compute_*.json"))):
         with open(path) as stream:
             measured.append({**json.load(stream), "file": os.path.relpath(path, HERE)})

@@ -85,7 +85,8 @@ def run_benchmark(name: str, results_dir: str = RESULTS_DIR) -> dict:
         log.write(stdout)
     steal, _ = cpu_steal_fraction(since=counters)
     run = {"seconds": round(time.perf_counter() - started, 1), "steal": round(steal, 4),
-           "status": status, "finished": datetime.datetime.now().isoformat(timespec="seconds")}
+           "status": status, "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+           "commit": commit()}
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if status == 0 and lines:
         result = {**json.loads(lines[-1]), "run": run}
@@ -132,12 +133,21 @@ def machine() -> dict:
     if mpirun:
         first = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
         versions["Open MPI"] = (re.findall(r"\d+\.\d+\.\d+", first) or ["?"])[0]
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
     return {"cpu": info.cpu_model or platform.processor() or "unknown",
             "cores": info.cpu_cores, "cache_mib": info.cpu_cache_bytes / 2**20,
             "bf16": info.cpu_bf16, "memory_gib": memory, "versions": versions,
-            "commit": commit or "unknown", "kernel": platform.release()}
+            "kernel": platform.release()}
+
+
+def commit() -> str:
+    """The commit the benchmarks run from, "+changes" when the tree differs from it."""
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    if not head:
+        return "unknown"
+    changed = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True).stdout.strip()
+    return head + ("+changes" if changed else "")
 
 
 def number(value: float, unit: str) -> str:
@@ -191,9 +201,9 @@ def render_results(results: dict[str, dict], facts: dict, plots: dict[str, str])
     lines = [
         "# Benchmark results",
         "",
-        f"Written by `make bench` (`benchmarks/report.py`) at commit {facts['commit']}; "
-        "every number below comes from `benchmarks/results/*.json`, written by the same run. "
-        "Absolute times vary on a shared machine; the ratios are what to read.",
+        "Written by `make bench` (`benchmarks/report.py`); every number below comes from "
+        "`benchmarks/results/*.json`, and each benchmark's section names the commit it ran "
+        "at. Absolute times vary on a shared machine; the ratios are what to read.",
         "",
         "## Machine",
         "",
@@ -205,7 +215,7 @@ def render_results(results: dict[str, dict], facts: dict, plots: dict[str, str])
         f"| Kernel | {facts['kernel']} |",
         f"| Steal time during the run | {max(steal, default=0):.1%} at most "
         "(per benchmark below) |",
-        f"| Versions | " + ", ".join(f"{k} {v}" for k, v in facts["versions"].items()) + " |",
+        "| Versions | " + ", ".join(f"{k} {v}" for k, v in facts["versions"].items()) + " |",
         "",
         "## Every target",
         "",
@@ -227,7 +237,8 @@ def render_results(results: dict[str, dict], facts: dict, plots: dict[str, str])
             continue
         run = result.get("run", {})
         lines.append(f"`.venv/bin/python benchmarks/{name}.py`: {run.get('seconds', 0):.0f} s, "
-                     f"steal time {run.get('steal', 0):.1%}, finished {run.get('finished', '?')}.")
+                     f"steal time {run.get('steal', 0):.1%}, finished {run.get('finished', '?')} "
+                     f"at commit {run.get('commit', 'unknown')}.")
         lines.append("")
         if run.get("status", 0) != 0:
             lines.append(f"**Failed** ({run.get('status')}): {run.get('error', '')} "

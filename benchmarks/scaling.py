@@ -16,13 +16,12 @@ examples/s); the target is >= 0.85.
 from __future__ import annotations
 
 import argparse
-import io
-import json
 import os
 import statistics
 import sys
 
 from method import emit, figure
+from processes import run_children, tfdist_launch, write_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -31,7 +30,7 @@ PER_WORKER_BATCH = 64
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One worker: pin to a core, train, and (on the chief) print examples/s as JSON."""
+    """One worker: pin to a core, train, and (on the chief) report examples/s."""
     from tfdist.cluster import detect_cluster
 
     info = detect_cluster(probe_gpus=False)
@@ -72,27 +71,22 @@ def worker(args: argparse.Namespace) -> None:
     model.fit(runner.dataset(data, global_batch), epochs=args.epochs, shuffle=False, verbose=0,
               callbacks=[throughput])
     if runner.is_chief:
-        print(json.dumps({"workers": workers, "examples_per_sec": throughput.examples_per_sec,
-                          "parameters": model.count_params()}), flush=True)
+        write_report(args.output, {"workers": workers,
+                                   "examples_per_sec": throughput.examples_per_sec,
+                                   "parameters": model.count_params()})
 
 
 def run_group(workers: int, args: argparse.Namespace) -> dict:
-    from tfdist.app.launch import launch, task_output
-
-    output = io.StringIO()
-    status = launch([sys.executable, os.path.abspath(__file__), "--worker",
-                     f"--epochs={args.epochs}", f"--steps={args.steps}",
-                     "--pin" if args.pin else "--no-pin"], workers, output=output)
-    lines = [line for line in task_output(output.getvalue(), "worker:0")
-             if line.startswith("{")]
-    if status != 0 or not lines:
-        raise SystemExit(f"the {workers}-worker run failed:\n{output.getvalue()[-3000:]}")
-    return json.loads(lines[-1])
+    return run_children([*tfdist_launch(workers), sys.executable, os.path.abspath(__file__),
+                         "--worker", f"--epochs={args.epochs}", f"--steps={args.steps}",
+                         "--pin" if args.pin else "--no-pin"],
+                        what=f"the {workers}-worker run")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each size")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="pin each worker to its own core (--no-pin: let the OS place them)")

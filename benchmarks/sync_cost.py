@@ -38,18 +38,16 @@ predicted milliseconds, the fitted constants, and each calibration run against i
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 
 import numpy as np
 
 from method import emit, figure, interleaved, rounded
+from processes import mpirun, run_children, tfdist_launch, write_report
 from ring_model import REPLICAS, fit_ring_model, pack_is_copied, predict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,32 +217,18 @@ def horovod_role(args: argparse.Namespace) -> dict:
 
 def measure(strategy_name: str, args: argparse.Namespace) -> dict:
     """Runs one strategy's role in its own process(es); returns the first replica's timings."""
-    folder = tempfile.mkdtemp(prefix="tfdist-sync-cost-")
-    role = [sys.executable, os.path.abspath(__file__), f"--role={strategy_name}",
-            f"--output={folder}", f"--repeats={args.repeats}",
-            *(f"--models={name}" for name in args.models),
-            *(f"--fit_mb={mb}" for mb in args.fit_mb),
-            *(f"--packed_mb={mb}" for mb in args.packed_mb)]
+    launcher = []  # mirrored: one process
     if strategy_name == "multi_worker":
-        command = [os.path.join(os.path.dirname(sys.executable), "tfdist"), "launch", "-n",
-                   str(REPLICAS), "--", *role]
+        launcher = tfdist_launch(REPLICAS)
     elif strategy_name == "horovod":
-        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []  # Open MPI refuses root unasked
-        command = [shutil.which("mpirun"), *root, "--oversubscribe", "-np", str(REPLICAS), *role]
-    else:
-        command = role
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=280,
-                                stdin=subprocess.DEVNULL,
-                                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-        report = os.path.join(folder, "replica0.json")  # the first replica's own file
-        if result.returncode or not os.path.exists(report):
-            raise SystemExit(f"sync_cost: {strategy_name} failed:\n"
-                             f"{(result.stdout + result.stderr)[-3000:]}")
-        with open(report) as stream:
-            return json.load(stream)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        launcher = mpirun(REPLICAS)
+    return run_children([*launcher, sys.executable,
+                         os.path.abspath(__file__), f"--role={strategy_name}",
+                         f"--repeats={args.repeats}",
+                         *(f"--models={name}" for name in args.models),
+                         *(f"--fit_mb={mb}" for mb in args.fit_mb),
+                         *(f"--packed_mb={mb}" for mb in args.packed_mb)],
+                        what=f"sync_cost: {strategy_name}")
 
 
 def main() -> None:
@@ -268,9 +252,8 @@ def main() -> None:
     args.packed_mb = args.packed_mb or list(PACKED_MB)
     if args.role:
         results = horovod_role(args) if args.role == "horovod" else tf_distribute_role(args)
-        replica = _replica_index(args.role)
-        with open(os.path.join(args.output, f"replica{replica}.json"), "w") as stream:
-            json.dump(results, stream)
+        if _replica_index(args.role) == 0:
+            write_report(args.output, results)
         return
 
     import importlib.util

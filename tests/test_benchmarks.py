@@ -15,6 +15,7 @@ from tests.conftest import REPO, last_json_line, run_command
 needs_horovod = [pytest.mark.requires_mpi, pytest.mark.requires_horovod]
 QUICK_SYNC_COST = ["--repeats", "1", "--models", "0.1", "--fit_mb", "0.03125", "--fit_mb", "0.25",
                    "--packed_mb", "0.5"]
+QUICK_PRECISION = ["--rounds", "2", "--steps", "2"]
 
 
 def run_benchmark(script, args, cwd, timeout=240):
@@ -22,6 +23,21 @@ def run_benchmark(script, args, cwd, timeout=240):
                          timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     return last_json_line(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def benchmark_line(tmp_path_factory):
+    """Runs a benchmark once per (script, args) in this module and returns its JSON line,
+    so the report and the projection read the same runs the smoke tests checked."""
+    lines = {}
+
+    def run(script, args):
+        key = (script, tuple(args))
+        if key not in lines:
+            lines[key] = run_benchmark(script, args, tmp_path_factory.mktemp("benchmark"))
+        return lines[key]
+
+    return run
 
 
 def check_figures(figures, keys):
@@ -40,8 +56,9 @@ def check_figures(figures, keys):
 
 
 @pytest.mark.parametrize("script, args, keys", [
-    ("overhead.py", ["--rounds", "3", "--steps", "2"], {"ratio_one_device", "ratio_mirrored"}),
-    ("precision.py", ["--rounds", "2", "--steps", "2"], {"speedup_bf16", "matmul_speedup_bf16"}),
+    ("overhead.py", ["--rounds", "3", "--steps", "2"],
+     {"ratio_one_device", "ratio_mirrored", "cpu_ratio_one_device", "cpu_ratio_mirrored"}),
+    ("precision.py", QUICK_PRECISION, {"speedup_bf16", "matmul_speedup_bf16"}),
     ("scaling.py", ["--repeats", "1", "--epochs", "2", "--steps", "2"], {"efficiency"}),
     pytest.param("allreduce.py", ["--repeats", "2"],
                  {"ring_64mb_gbps", "memcpy_64mb_gbps", "horovod_64mb_gbps", "gloo_64mb_gbps",
@@ -63,23 +80,22 @@ def check_figures(figures, keys):
     pytest.param("checkpoint.py", ["--rounds", "3", "--steps", "2"],
                  {"ratio_one_device", "ratio_mirrored", "save_ms", "horovod_check_us"},
                  marks=needs_horovod),
-    ("gpu.py", ["--cpu", "--only", "1", "--image", "32", "--batch", "4", "--iters", "2",
-                "--batches_per_iter", "1"], {"images_per_sec_one_device_float32"}),
+    ("gpu.py", ["--cpu", "--model", "small", "--only", "1", "--image", "32", "--batch", "4",
+                "--iters", "2", "--batches_per_iter", "1"], {"images_per_sec_one_device_float32"}),
 ])
 @pytest.mark.multiprocess
 @pytest.mark.benchmark
-def test_benchmark_prints_its_figures(script, args, keys, tmp_path):
-    check_figures(run_benchmark(script, args, tmp_path), keys)
+def test_benchmark_prints_its_figures(script, args, keys, benchmark_line):
+    check_figures(benchmark_line(script, args), keys)
 
 
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
 @pytest.mark.benchmark
-def test_projection_from_a_measured_sync_cost(tmp_path):
-    sync_cost = run_benchmark("sync_cost.py", [*QUICK_SYNC_COST, "--strategies", "horovod"],
-                              tmp_path)
-    (tmp_path / "sync_cost.json").write_text(json.dumps(sync_cost))
+def test_projection_from_a_measured_sync_cost(benchmark_line, tmp_path):
+    (tmp_path / "sync_cost.json").write_text(json.dumps(benchmark_line("sync_cost.py",
+                                                                       QUICK_SYNC_COST)))
     figures = run_benchmark("projection.py", ["--sync_cost", str(tmp_path / "sync_cost.json"),
                                               "--batch", "1", "--steps", "1"], tmp_path)
     check_figures(figures, {"resnet50_128_workers_25gbit", "resnet50_128_workers_25gbit_k4"})
@@ -98,11 +114,12 @@ def test_projection_without_a_sync_cost_says_what_to_run(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.benchmark
-def test_report_renders_every_figure_and_what_was_not_measured(tmp_path):
+def test_report_renders_every_figure_and_what_was_not_measured(benchmark_line, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    for name, args in (("precision", ["--rounds", "2", "--steps", "2"]), ("gpu", [])):
-        line = run_benchmark(f"{name}.py", args, tmp_path)
+    for name, args in (("precision", QUICK_PRECISION), ("sync_cost", QUICK_SYNC_COST),
+                       ("gpu", [])):
+        line = benchmark_line(f"{name}.py", args)
         (results / f"{name}.json").write_text(json.dumps({**line, "run": {
             "seconds": 1.0, "steal": 0.0, "status": 0, "finished": "now"}}))
     result = run_command([sys.executable, str(REPO / "benchmarks" / "report.py"), "--render",
@@ -116,3 +133,6 @@ def test_report_renders_every_figure_and_what_was_not_measured(tmp_path):
     assert "Not measured: no GPU" in page
     assert "Not run yet" in page  # the benchmarks this test did not run are named, not dropped
     assert (tmp_path / "plots" / "precision.png").stat().st_size > 1000
+    assert (tmp_path / "plots" / "sync_cost.png").stat().st_size > 1000
+    for strategy in json.loads((results / "sync_cost.json").read_text())["fit"]:
+        assert f"- {strategy}: B " in page and "calibration within" in page  # the fitted model
