@@ -123,10 +123,11 @@ def fit_ring_model(runs: list[tuple[float, int, bool, float]],
     For a given S_switch the model is linear in 1/B_small, 1/B_large, a, 1/P and t:
     least squares on relative error, dividing each row by its measured time, so the
     small runs (where latency shows) count as much as the large ones. S_switch is
-    tried between every two neighbouring sizes (at their geometric mean) that leave
-    at least two sizes on each side, and not at all (one bandwidth); of those where
-    the bandwidth falls at the switch, the one with the least squared error is kept. A term no run exercises (no copied pack, no
-    list) is zero, as is one the data cannot tell from zero.
+    tried between every two neighbouring sizes (at their geometric mean; sizes
+    within 10% count as one) that leave at least two sizes on each side, and not at
+    all (one bandwidth); of those where the bandwidth falls at the switch, the one
+    with the least squared error is kept. A term no run exercises (no copied pack,
+    no list) is zero, as is one the data cannot tell from zero.
 
     Args:
         runs: (S bytes, n tensors, whether the pack is copied, median seconds) per run.
@@ -141,7 +142,10 @@ def fit_ring_model(runs: list[tuple[float, int, bool, float]],
     """
     sizes, counts, copied, times = (np.array(column, dtype=np.float64)
                                     for column in zip(*runs))
-    distinct = sorted(set(sizes))
+    distinct = []  # sizes 10% or more apart: a list of 64 MB and a bias is 64 MB here
+    for size in sorted(set(sizes)):
+        if not distinct or size > 1.1 * distinct[-1]:
+            distinct.append(size)
     switches = [math.inf] + [math.sqrt(low * high) for low, high in
                              zip(distinct[1:-2], distinct[2:-1])]
     steps = 2 * (replicas - 1)
