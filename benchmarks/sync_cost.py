@@ -298,6 +298,10 @@ def main() -> None:
             table[f"{strategy_name}_{name}"] = {
                 "megabytes": size / 2**20, "tensors": tensors, "tfdist_ms": measured * 1e3,
                 "raw_ms": statistics.median(model["raw"]) * 1e3, "model_ms": predicted * 1e3}
+    errors = [f.median for f in figures if f.name.endswith("_model_error")]
+    figures.append(figure("model_worst_error", f"ring model's largest error over the {len(errors)} "
+                          "syncs above, abs(predicted / measured - 1)", [max(errors)],
+                          target="<= 0.25"))
     print(f"{'strategy':<13} {'MB':>6} {'tensors':>7} {'tfdist ms':>10} {'raw ms':>8} "
           f"{'ratio':>6} {'model ms':>9} {'error':>6}")
     for key, row in table.items():

@@ -66,7 +66,8 @@ def check_figures(figures, keys):
     pytest.param("sync_cost.py", QUICK_SYNC_COST,
                  {f"{strategy}_0.1mb_{figure}" for strategy in ("mirrored", "multi_worker",
                                                                "horovod")
-                  for figure in ("ratio", "model_error")}, marks=needs_horovod),
+                  for figure in ("ratio", "model_error")} | {"model_worst_error"},
+                 marks=needs_horovod),
     pytest.param("overlap.py", ["--epochs", "2", "--steps", "1", "--model", "small"],
                  {"horovod_per_tensor_over_grouped", "multi_worker_packed_over_one_pack"},
                  marks=needs_horovod),
