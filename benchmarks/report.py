@@ -141,12 +141,18 @@ def machine() -> dict:
 
 
 def commit() -> str:
-    """The commit the benchmarks run from, "+changes" when the tree differs from it."""
+    """The commit the benchmarks run from, "+changes" when the code differs from it.
+
+    What `make bench` itself writes (results, plots, RESULTS.md, README.md's table) is
+    not a change to the code measured.
+    """
     head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
     if not head:
         return "unknown"
-    changed = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+    changed = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no",
+                              "--", ".", ":!benchmarks/results", ":!benchmarks/plots",
+                              ":!benchmarks/RESULTS.md", ":!README.md"],
                              capture_output=True, text=True).stdout.strip()
     return head + ("+changes" if changed else "")
 
