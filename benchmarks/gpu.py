@@ -84,7 +84,8 @@ def run_variant(args: argparse.Namespace) -> None:
         model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0,
                   callbacks=runner.callbacks())
 
-    print(f"Model: {'ResNet50' if args.model == 'resnet50' else args.model}, batch size: {args.batch}, strategy: {args.strategy}, "
+    model_name = "ResNet50" if args.model == "resnet50" else args.model
+    print(f"Model: {model_name}, batch size: {args.batch}, strategy: {args.strategy}, "
           f"precision: {args.precision}, XLA: {args.xla}, accumulation: {args.accumulation}")
     benchmark_step(10 * args.accumulation)  # warm-up
     rates = []

@@ -47,7 +47,8 @@ def build_model() -> keras.Model:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=7, help="epochs per policy; the first is warm-up")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="epochs per policy; the first is warm-up")
     parser.add_argument("--steps", type=int, default=20, help="steps per epoch")
     args = parser.parse_args()
 

@@ -90,7 +90,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each size")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="pin each worker to its own core (--no-pin: let the OS place them)")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is warm-up")
+    parser.add_argument("--epochs", type=int, default=3,
+                        help="epochs per run; the first is warm-up")
     parser.add_argument("--steps", type=int, default=30,
                         help="steps per epoch (short epochs, a few seconds, measure noise)")
     args = parser.parse_args()

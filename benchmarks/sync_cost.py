@@ -110,8 +110,9 @@ def timings(strategy_name: str, reduce_list, reduce_flat, args: argparse.Namespa
     lists = [[int(megabytes * 2**20) // 4] for megabytes in args.fit_mb]
     lists += [[int(megabytes * 2**20) // 4 // PACKED] * PACKED + [BIAS]
               for megabytes in args.packed_mb]
-    lists += [[SMALL_TENSOR] * count for count in COUNTS]  # the cost of each tensor apart
-    for elements in lists:                                 # from its bytes
+    # Many 4 KB tensors: the cost of each tensor apart from its bytes.
+    lists += [[SMALL_TENSOR] * count for count in COUNTS]
+    for elements in lists:
         if len(elements) == 1:
             runs[f"raw {elements[0]}"] = reduce_flat(elements[0])
             sweep_keys[elements[0] * 4] = f"raw {elements[0]}"
@@ -241,7 +242,7 @@ def main() -> None:
                         help="single-tensor sizes the model is fitted on (default: 1/32 to 128 MB)")
     parser.add_argument("--packed_mb", action="append", type=float,
                         help=f"lists of {PACKED} tensors and a bias the model is fitted on, "
-                             "by MB in all (default: 2, 8, 64)")
+                             f"by MB in all (default: {', '.join(map(str, PACKED_MB))})")
     parser.add_argument("--strategies", action="append", choices=STRATEGIES,
                         help="default: all three (horovod only where Open MPI and Horovod are)")
     parser.add_argument("--role", choices=STRATEGIES, help=argparse.SUPPRESS)
