@@ -58,6 +58,12 @@ def write_report(path: str | None, payload: object) -> None:
     """In a child: writes what it measured to the file its parent passed (`--output`).
 
     Written to a temporary name and renamed, so the parent never reads half a file.
+    Without a path (the script run by hand, as compute.py is on a GPU machine) the
+    JSON is printed instead.
+
+    Args:
+        path: The `--output` value, or None.
+        payload: Anything `json.dump` takes.
     """
     if not path:
         print(json.dumps(payload), flush=True)
