@@ -7,14 +7,14 @@ strategy's two ways of reducing gradients race:
 - horovod: one grouped allreduce once every gradient is computed
   (`horovod.grouped: true`) against one allreduce per gradient, each started as
   soon as its gradient is computed and batched by Horovod's fusion buffer
-  (`grouped: false`, the default since this benchmark measured it as fast or
-  faster, per-tensor/grouped 0.99, 0.91 and 0.95 in three runs, and the default of
+  (`grouped: false`, the default: this benchmark measured it no slower,
+  per-tensor/grouped 0.99, 0.91, 0.95 and 1.02 in four runs, and it is the default of
   Horovod's own DistributedOptimizer). Both in the same 2 ranks under mpirun: two Runners, two
   models, alternating epochs.
 - multi_worker: one pack of all gradients (`multi_worker.bytes_per_pack: 0`)
   against packs of 25 MB (PyTorch DDP's bucket size), each all-reduced when its
   gradients are ready (one pack, TensorFlow's default, stays: three runs here gave
-  packs/one pack 1.16, 1.13 and 0.78, no consistent difference on 2 cores). A
+  packs/one pack 1.16, 1.13, 0.78 and 0.91, no consistent difference on 2 cores). A
   strategy is made once per process, so each setting is a `tfdist launch` of its
   own, the settings alternating.
 
