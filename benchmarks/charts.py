@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 from ring_model import RingModel
+
+# scripts/setup.sh installs matplotlib here rather than into .venv itself: Keras imports
+# matplotlib.pyplot whenever it is importable, ~0.9 s of CPU in every TensorFlow process.
+# Appended, so that the environment's own packages (NumPy) come first.
+PLOTTING_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            ".venv", "plotting")
+if os.path.isdir(PLOTTING_DIR) and PLOTTING_DIR not in sys.path:
+    sys.path.append(PLOTTING_DIR)
 
 
 def plot_all(results: dict[str, dict], plots_dir: str) -> dict[str, str]:

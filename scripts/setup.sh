@@ -37,8 +37,20 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
 
-echo "setup: installing tfdist[$TF_BUILD,test,bench] into $VENV"
-"$VENV/bin/python" -m pip install -q -e ".[$TF_BUILD,test,bench]"
+echo "setup: installing tfdist[$TF_BUILD,test] into $VENV"
+"$VENV/bin/python" -m pip install -q -e ".[$TF_BUILD,test]"
+
+# matplotlib draws `make bench`'s plots, and nothing else needs it. Keras imports
+# matplotlib.pyplot whenever it can (keras.src.visualization), which costs every process
+# that imports TensorFlow about 0.9 s of CPU here; so it goes to a directory of its own
+# that only benchmarks/charts.py puts on its path (PLOTTING_DIR there).
+PLOTTING="$VENV/plotting"
+echo "setup: installing matplotlib into $PLOTTING (for make bench)"
+"$VENV/bin/python" -m pip install -q --upgrade --target "$PLOTTING" "matplotlib>=3.8"
+if "$VENV/bin/python" -m pip show -q matplotlib >/dev/null 2>&1; then
+  # An earlier set-up put it in the environment itself.
+  "$VENV/bin/python" -m pip uninstall -q -y matplotlib
+fi
 "$VENV/bin/python" -c "import tensorflow as tf, keras; print(f'setup: TensorFlow {tf.__version__}, Keras {keras.__version__}')"
 
 # Horovod, built against this TensorFlow (see the script for why); cached after the first
