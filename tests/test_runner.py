@@ -152,11 +152,14 @@ def test_the_runner_names_the_patches_its_strategy_applied(caplog):
     verbosity = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.INFO)
     try:
-        # mirrored's one patch is in place only while its strategy is built.
-        assert "tfdist: patches active: none" in runner_log()
-        assert patches.active() == []
+        # mirrored's own patch is in place only while its strategy is built; every
+        # strategy keeps the exact-update pair.
+        exact = ("keras.optimizer.summed_before_clipping, "
+                 "keras.optimizer.replica_sum_once")
+        assert f"tfdist: patches active: {exact}\n" in runner_log()
+        assert sorted(patches.active()) == sorted(patch.name for patch in patches.EXACT_UPDATES)
         patches.apply(patches.MULTI_WORKER)  # as a multi_worker Runner earlier in the process
-        assert ("tfdist: patches active: keras.trainer.multi_worker_symbolic_build, "
+        assert ("keras.trainer.multi_worker_symbolic_build, "
                 "keras.trainer.multi_worker_metric_reduction") in runner_log()
     finally:
         absl_logging.set_verbosity(verbosity)

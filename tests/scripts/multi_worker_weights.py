@@ -35,8 +35,13 @@ def counting(optimizer):
         reductions = tf.Variable(0, dtype=tf.int64, trainable=False)  # outside any strategy
 
         def _all_reduce_sum_gradients(self, grads_and_vars):
-            Counting.reductions.assign_add(1)
-            return super()._all_reduce_sum_gradients(grads_and_vars)
+            # Keras calls this once more for gradients tfdist has summed already
+            # (tfdist.patches.keras_optimizer), and gets them back as they are.
+            grads_and_vars = list(grads_and_vars)
+            summed = super()._all_reduce_sum_gradients(grads_and_vars)
+            if any(new is not old for (new, _), (old, _) in zip(summed, grads_and_vars)):
+                Counting.reductions.assign_add(1)
+            return summed
 
     return Counting.from_config(optimizer.get_config())
 

@@ -40,8 +40,9 @@ class Adapter(abc.ABC):
         cluster: What `tfdist.cluster.detect_cluster` found.
     """
 
-    # The fixes to Keras and TensorFlow this strategy needs (`tfdist.patches`),
-    # applied just before the strategy is built; each acts only where its bug applies.
+    # The fixes to Keras and TensorFlow this strategy needs (`tfdist.patches`), besides
+    # `EXACT_UPDATES`, which every strategy needs; applied just before the strategy is
+    # built, each acts only where its bug applies.
     patches: tuple[Patch, ...] = ()
     # Patches in place only while `create_strategy` builds the strategy (listed by
     # `tfdist env`; `create_strategy` applies them with `patch.applied()`).
@@ -58,7 +59,7 @@ class Adapter(abc.ABC):
     @functools.cached_property
     def strategy(self) -> tf.distribute.Strategy:
         """The strategy, created on first use (after this adapter's patches are applied)."""
-        tfdist_patches.apply(self.patches)
+        tfdist_patches.apply((*tfdist_patches.EXACT_UPDATES, *self.patches))
         return self.create_strategy()
 
     @property

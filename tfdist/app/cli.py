@@ -261,8 +261,10 @@ def _patches() -> dict:
     users: dict[str, list[str]] = {}
     for name in registry.available():
         adapter_cls = registry.get(name)
-        for patch in (*adapter_cls.patches, *adapter_cls.patches_while_building):
-            users.setdefault(patch.name, []).append(name)
+        for patch in (*patches.EXACT_UPDATES, *adapter_cls.patches,
+                      *adapter_cls.patches_while_building):
+            if name not in users.setdefault(patch.name, []):
+                users[patch.name].append(name)
     for patch in patches.HOROVOD:
         users.setdefault(patch.name, []).append("tfdist.horovod.keras.init()")
     return {"active": patches.active(),

@@ -12,7 +12,8 @@ One module per upstream component:
     keras_trainer         Keras's TensorFlow trainer (multi-worker fit, the
                           parameter-server fit/evaluate/predict routing)
     keras_variables       Keras's TensorFlow Variable (atomic updates on parameter servers)
-    keras_optimizer       Keras's TensorFlow optimizer (slots of sharded variables)
+    keras_optimizer       Keras's TensorFlow optimizer (sparse rows and replicas summed
+                          before clipping; slots of sharded variables)
     tensorflow_backprop   GradientTape (gradients of sharded variables)
     tensorflow_distribute the strategies (sharded updates, collective keys, CPU replicas)
     keras_normalization   Keras's synchronized batch statistics (over Horovod's ranks)
@@ -36,7 +37,13 @@ from tfdist.patches import (horovod_tensorflow, keras_normalization, keras_optim
                             tensorflow_distribute)
 from tfdist.patches.base import Patch, registered
 
-# What each strategy applies when its adapter is built.
+# What every adapter applies when it is built (and `tfdist.horovod.keras.init()`): the
+# update one device would make from the summed gradient.
+EXACT_UPDATES: tuple[Patch, ...] = (
+    keras_optimizer.REPLICA_SUM_ONCE,
+    keras_optimizer.SUMMED_BEFORE_CLIPPING,
+)
+# What each strategy applies besides, when its adapter is built.
 MULTI_WORKER: tuple[Patch, ...] = (
     keras_trainer.MULTI_WORKER_SYMBOLIC_BUILD,
     keras_trainer.MULTI_WORKER_METRIC_REDUCTION,
@@ -53,6 +60,7 @@ PARAMETER_SERVER: tuple[Patch, ...] = (
 )
 # The `horovod` adapter, and `tfdist.horovod.keras.init()`.
 HOROVOD: tuple[Patch, ...] = (
+    *EXACT_UPDATES,
     keras_normalization.HOROVOD_SYNCHRONIZED_MOMENTS,
     horovod_tensorflow.BROADCAST_VARIABLES,
     horovod_tensorflow.TAPE_GRADIENT,
@@ -102,5 +110,5 @@ def by_name(name: str) -> Patch:
                    f"{', '.join(patch.name for patch in registered())}")
 
 
-__all__ = ["HOROVOD", "MULTI_WORKER", "PARAMETER_SERVER", "Patch", "active", "apply", "by_name",
+__all__ = ["EXACT_UPDATES", "HOROVOD", "MULTI_WORKER", "PARAMETER_SERVER", "Patch", "active", "apply", "by_name",
            "registered", "undo", "undo_all"]
