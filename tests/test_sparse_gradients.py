@@ -105,7 +105,7 @@ def test_plain_keras_is_not_the_exact_update(name):
         plain = plain_keras(name, dense=False)
     finally:
         patches.apply(patches.EXACT_UPDATES)
-    assert max_difference(plain, exact(name)) > 100 * TOLERANCE  # measured: 0.01-0.04
+    assert max_difference(plain, exact(name)) > 100 * TOLERANCE  # measured: 0.014, 0.055
 
 
 @pytest.mark.slow
@@ -134,7 +134,7 @@ def test_mirrored_without_the_fix_clips_each_replica_apart():
         weights = _mirrored_without_patches()
     finally:
         patches.apply(patches.EXACT_UPDATES)
-    assert max_difference(weights, expected) > 100 * TOLERANCE  # measured: 0.03
+    assert max_difference(weights, expected) > 100 * TOLERANCE  # measured: 0.009
     fixed = tfdist_weights("mirrored", "adam_global_clipnorm", 1, embedding=False)
     assert max_difference(fixed, expected) < TOLERANCE
 

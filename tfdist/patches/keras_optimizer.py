@@ -21,7 +21,7 @@ Three fixes, each acting only where its bug applies:
   `_backend_apply_gradients`) and sums the replicas' gradients only afterwards (in
   `_backend_update_step`), so `clipnorm` and `global_clipnorm` clip parts of the
   gradient, not the gradient (measured: Adam with `global_clipnorm=0.1` on 2
-  replicas ends 0.03 from one device). TensorFlow's Keras 2 refused clipping under a
+  replicas ends 0.009-0.03 from one device). TensorFlow's Keras 2 refused clipping under a
   strategy for this reason (tensorflow/tensorflow#33929); Keras 3 does it silently.
   The replacement sums the replicas' gradients first, in replica context, with
   Keras's own `_all_reduce_sum_gradients`, then their repeated rows, and Keras's
