@@ -217,6 +217,45 @@ def test_keras_backup_and_restore_replays_the_interrupted_epoch(reference, tmp_p
     assert max_difference(weights(tmp_path), weights(reference("one_device"))) > 1e-3
 
 
+# --- the user's own shuffle -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["multi_worker", "horovod"])
+@pytest.mark.multiprocess
+def test_a_resume_with_the_users_own_seeded_shuffle_is_exact(strategy, reference, tmp_path):
+    # `dataset.shuffle(n, seed=3)` in the pipeline, reshuffled each epoch (tf.data's
+    # default), with Dropout: a kill at step 6 of the second epoch, and a restart. A new
+    # process's shuffle would start again at its first order; the resumed epoch gets its own.
+    shuffle = ["--user_shuffle", "3"]
+    kill = ["--kill", f"{TASKS[strategy][-1]}@1:6"]
+    if strategy == "multi_worker":
+        result = launch(tmp_path, *script(tmp_path, strategy, *shuffle, *kill), restarts=1)
+        output = result.stdout
+    else:
+        horovod(tmp_path, "mpirun", *script(tmp_path, strategy, *shuffle, *kill), expect=137)
+        output = horovod(tmp_path, "mpirun", *script(tmp_path, strategy, *shuffle, *kill)).stderr
+    assert "resuming from" in output and "has no seed" not in output
+    uninterrupted = reference(strategy, *shuffle)
+    orders = [[record["ids"] for record in attempts(uninterrupted, TASKS[strategy][0])[0]
+               if record["step"] == 1 and record["epoch"] == epoch] for epoch in range(EPOCHS)]
+    assert orders[0] != orders[1] != orders[2]  # the pipeline reshuffles every epoch
+    for task in TASKS[strategy]:
+        assert first_steps(tmp_path, task) == [(0, 1), (1, 5)]
+    assert_same_training(tmp_path, uninterrupted, TASKS[strategy], ACROSS_PROCESSES)
+
+
+@pytest.mark.multiprocess
+def test_a_resume_with_an_unseeded_shuffle_says_its_order_differs(tmp_path):
+    kill = ["--user_shuffle", "unseeded", "--kill", "main@1:6"]
+    run_alone(tmp_path, "one_device", *kill, expect=-9)
+    result = run_alone(tmp_path, "one_device", *kill)
+    notices = [line for line in result.stderr.splitlines() if "has no seed" in line]
+    assert notices == ["tfdist: a shuffle in the input pipeline has no seed, so the resumed "
+                       "epoch's order differs from the interrupted run's; give it one "
+                       "(dataset.shuffle(n, seed=...)), or shuffle with "
+                       "runner.dataset(..., shuffle_buffer_size=n)"]
+
+
 # --- preemption -------------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from tfdist.shuffling import EpochShuffle
+from tfdist.shuffling import EpochShuffle, PipelineReplay
 
 EXAMPLES = 50
 
@@ -50,7 +50,7 @@ def test_without_set_epoch_each_pass_counts_up_like_reshuffling():
 
 @pytest.mark.multiprocess
 def test_the_order_is_the_same_in_a_new_process_and_depends_on_the_seed():
-    code = ("import tensorflow as tf; from tfdist.shuffling import EpochShuffle; "
+    code = ("import tensorflow as tf; from tfdist.shuffling import EpochShuffle, PipelineReplay; "
             "s = EpochShuffle(50, seed={seed}); d = s.apply(tf.data.Dataset.range(50)); "
             "s.set_epoch(4); print([int(v) for v in d])")
     here = EpochShuffle(EXAMPLES, seed=3)
@@ -75,3 +75,36 @@ def test_a_bad_buffer_size_is_one_line(buffer_size):
     with pytest.raises(ValueError, match=f"buffer_size must be an integer >= 1. Received: "
                                          f"buffer_size={buffer_size!r}"):
         EpochShuffle(buffer_size, seed=0)
+
+
+def _orders(dataset, passes):
+    return [[int(x) for batch in dataset for x in batch] for _ in range(passes)]
+
+
+def test_a_replay_gives_the_next_pass_the_order_an_uninterrupted_run_had():
+    def pipeline():
+        return tf.data.Dataset.range(12).shuffle(12, seed=3).batch(4)
+
+    # Keras creates 2 iterators per epoch over data of known length, so epoch 2 of an
+    # uninterrupted fit reads pass 4 (after epochs 0 and 1 took passes 0-3).
+    uninterrupted = _orders(pipeline(), 5)
+    assert len({tuple(order) for order in uninterrupted}) == 5  # it reshuffles
+    replay = PipelineReplay()
+    resumed = replay.track(pipeline())
+    replay.advance(epochs=2)
+    assert _orders(resumed, 1) == [uninterrupted[4]]
+    assert replay.unreproducible() is None
+
+
+def test_a_replay_says_in_one_line_what_it_cannot_reproduce():
+    replay = PipelineReplay()
+    assert "not made with runner.dataset" in replay.unreproducible()
+    tf.random.set_seed(None)  # an earlier test's global seed would seed the shuffle
+    replay.track(tf.data.Dataset.range(4).shuffle(4))
+    assert "has no seed" in replay.unreproducible()
+    endless = PipelineReplay()
+    endless.track(tf.data.Dataset.range(4).shuffle(4, seed=1).repeat())
+    assert "repeats without end" in endless.unreproducible()
+    seeded = PipelineReplay()
+    seeded.track(tf.data.Dataset.range(4).shuffle(4, seed=1, reshuffle_each_iteration=False))
+    assert seeded.unreproducible() is None

@@ -14,8 +14,10 @@ deletes the same folder. This callback restores the exact state instead:
 - **Where training resumes**: at `on_train_begin` the newest good checkpoint is
   restored. `fit` starts at its epoch; the steps of that epoch already done are
   skipped, so the data (shuffled by `tfdist.shuffling.EpochShuffle` in the order
-  of (seed, epoch)) goes on from the next batch; the metrics go on from their
-  saved totals. A finished run restarted trains no step.
+  of (seed, epoch), or by the pipeline's own seeded shuffle, replayed to the
+  epoch's order by `tfdist.shuffling.PipelineReplay`) goes on from the next batch;
+  the metrics go on from their saved totals. A finished run restarted trains no
+  step.
 - **When it saves**: every `save_every_steps` steps and at the end of every
   epoch; on every process, since saving replicated variables is a collective,
   but only the chief's files remain.
@@ -45,7 +47,7 @@ from tfdist.checkpointing import (FORMAT_VERSION, CheckpointStore, TrainingPosit
                                   checkpoint_number, read_partially)
 from tfdist.errors import ClusterError, ConfigError
 from tfdist.preemption import RESTART_EXIT_CODE, PreemptionWatch, StopAgreement
-from tfdist.shuffling import EpochShuffle
+from tfdist.shuffling import EpochShuffle, PipelineReplay
 
 if TYPE_CHECKING:
     from tfdist.adapters.base import Adapter
@@ -69,6 +71,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         adapter: The Runner's adapter.
         shuffles: The `EpochShuffle`s of the Runner's datasets; each epoch's order
             is set from the epoch number.
+        pipelines: The datasets the Runner made, whose own shuffles are replayed to
+            the resumed epoch's order. None: no dataset was made with
+            `runner.dataset`, and a resume says its order may differ.
         save_every_steps: Also save every this many steps (0: at epoch ends only).
         keep: Checkpoints kept (>= 2).
         grace_seconds: How long after SIGTERM a process may take to stop.
@@ -82,7 +87,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, directory: str | None, adapter: "Adapter", *,
-                 shuffles: Sequence[EpochShuffle] = (), save_every_steps: int = 0,
+                 shuffles: Sequence[EpochShuffle] = (), pipelines: PipelineReplay | None = None,
+                 save_every_steps: int = 0,
                  keep: int = 3, grace_seconds: float = 25.0, elastic_state: Any = None):
         super().__init__()
         if not directory and elastic_state is None:
@@ -97,6 +103,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.keep = keep
         self._adapter = adapter
         self._shuffles = shuffles
+        self._pipelines = pipelines if pipelines is not None else PipelineReplay()
         self._elastic = elastic_state
         self._watch = PreemptionWatch(grace_seconds)
         self._position = (elastic_state.position if elastic_state is not None
@@ -251,6 +258,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resume_epoch, self._skip = position.epoch, position.step
         self.model._initial_epoch = position.epoch
         _say(f"{how}: {position.describe()}")
+        if position.epoch or position.step:
+            notice = self._pipelines.unreproducible()
+            if notice and self._adapter.is_chief:
+                _say(notice)
+            self._pipelines.advance(position.epoch)
 
     def _skip_first_steps(self, count: int) -> None:
         """Makes the next `count` steps consume their batches without training on them.

@@ -100,6 +100,7 @@ class Runner:
         self._adapter = adapter_cls(self.config, self.cluster)
         _warn_if_untrusted_network(self._adapter.server_addresses(), config.trusted_network)
         self._shuffles: list[Any] = []  # tfdist.shuffling.EpochShuffle
+        self._pipelines: Any = None  # tfdist.shuffling.PipelineReplay, made with a dataset
         self._elastic_state: Any = None
         _configure_threads(config.threads, default_inter_op=self._adapter.inter_op_threads(),
                            default_intra_op=self._adapter.intra_op_threads())
@@ -200,10 +201,9 @@ class Runner:
         Step i consumes the same examples under every strategy: those of step i
         under `one_device` with the same global batch.
 
-        Shuffle here rather than in the source for a run that can resume: a
-        `tf.data` shuffle that reshuffles each iteration gives a restarted process
-        epoch 0's order again, while this one's order is fixed by (seed, epoch)
-        (see `tfdist.shuffling`).
+        A run that resumes gets each epoch's order back either way: this shuffle's
+        order is fixed by (seed, epoch), and a seeded `tf.data` shuffle in the
+        source is replayed to the resumed epoch's order (see `tfdist.shuffling`).
 
         Args:
             source: An unbatched `tf.data.Dataset`, or a function of
@@ -236,8 +236,12 @@ class Runner:
 
             shuffle = EpochShuffle(shuffle_buffer_size, seed=self.config.seed or 0)
             self._shuffles.append(shuffle)
-        return self._adapter.distribute_dataset(source, global_batch_size,
-                                                drop_remainder=drop_remainder, shuffle=shuffle)
+        from tfdist.shuffling import PipelineReplay
+
+        if self._pipelines is None:
+            self._pipelines = PipelineReplay()
+        return self._pipelines.track(self._adapter.distribute_dataset(
+            source, global_batch_size, drop_remainder=drop_remainder, shuffle=shuffle))
 
     def callbacks(self, checkpoint_dir: str | os.PathLike | None = None, *,
                   save_every_steps: int | None = None, keep: int | None = None) -> list[Any]:
@@ -269,7 +273,7 @@ class Runner:
         from tfdist.backup import BackupAndRestore
 
         backup = BackupAndRestore(
-            directory or None, self._adapter, shuffles=self._shuffles,
+            directory or None, self._adapter, shuffles=self._shuffles, pipelines=self._pipelines,
             save_every_steps=(options.save_every_steps if save_every_steps is None
                               else save_every_steps),
             keep=options.keep if keep is None else keep, grace_seconds=options.grace_seconds,

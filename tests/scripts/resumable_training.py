@@ -6,7 +6,7 @@ Run by the fault-tolerance tests, alone or under `tfdist launch`, `mpirun`, `hor
         [--epochs 3] [--save_every 4] [--accumulation_steps K] [--steps_per_execution N] \
         [--precision P] \
         [--kill TASK@E:S ...] [--sigterm TASK@E:S ...] [--stall TASK@E:S:SECONDS] \
-        [--keras_backup] [--timeout SECONDS] [--bare]
+        [--keras_backup] [--timeout SECONDS] [--bare] [--user_shuffle SEED|unseeded]
 
 The run: 3 epochs of 12 steps (global batch 16 over 192 examples) of an MLP with
 Dropout, Adam, a shuffle seeded by (seed, epoch) through `runner.dataset`, and a
@@ -33,6 +33,9 @@ Faults, each acted on once across restarts (a marker file in OUT_DIR remembers):
 - `--sigterm_in_validation TASK@E`: TASK sends itself SIGTERM as epoch E's validation
   starts (with `--validation`, which evaluates on held-out examples after every epoch).
 A process that fails writes `error-TASK.json`: the time, the error's type and message.
+`--user_shuffle SEED` shuffles in the pipeline itself, as users write it:
+`dataset.shuffle(n, seed=SEED)` (reshuffled each epoch), and no `runner.dataset`
+shuffle; `--user_shuffle unseeded` with no seed and no global seed.
 `--keras_backup` uses Keras's own `keras.callbacks.BackupAndRestore` instead of
 tfdist's (the bare stack's behaviour). `--bare` drops tfdist: a plain
 MultiWorkerMirroredStrategy with its default (no) collective timeout.
@@ -231,6 +234,7 @@ def main():
     parser.add_argument("--elastic", action="store_true",
                         help="horovod under horovodrun --min-np: runner.run_elastic")
     parser.add_argument("--scale_learning_rate", action="store_true")
+    parser.add_argument("--user_shuffle", help="a seed, or 'unseeded'")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     if args.bare:
@@ -238,7 +242,8 @@ def main():
 
     import tfdist
 
-    overrides = {"strategy": args.strategy, "precision": args.precision, "seed": SEED,
+    seed = None if args.user_shuffle == "unseeded" else SEED  # None: no global seed either
+    overrides = {"strategy": args.strategy, "precision": args.precision, "seed": seed,
                  "accumulation_steps": args.accumulation_steps,
                  "checkpoint.grace_seconds": 20.0}
     if args.strategy == "mirrored":
@@ -259,6 +264,9 @@ def main():
 
     features, labels = examples()
     source = tf.data.Dataset.from_tensor_slices((features, labels))
+    if args.user_shuffle:
+        source = source.shuffle(EXAMPLES, seed=None if args.user_shuffle == "unseeded"
+                                else int(args.user_shuffle))
     validation = None
     if args.validation:
         held_out = examples(seed=1, count=VALIDATION_EXAMPLES)
@@ -277,7 +285,7 @@ def main():
     def train():
         # Made anew at each (elastic) start, for the ranks there are now.
         data = runner.dataset(source, GLOBAL_BATCH // args.accumulation_steps,
-                              shuffle_buffer_size=EXAMPLES)
+                              shuffle_buffer_size=0 if args.user_shuffle else EXAMPLES)
         if args.keras_backup:
             callbacks = [keras.callbacks.BackupAndRestore(args.checkpoint_dir,
                                                           save_freq=args.save_every,
