@@ -217,6 +217,37 @@ def test_keras_backup_and_restore_replays_the_interrupted_epoch(reference, tmp_p
     assert max_difference(weights(tmp_path), weights(reference("one_device"))) > 1e-3
 
 
+TUTORIAL = str(REPO / "tests" / "scripts" / "keras_backup_tutorial.py")
+
+
+@pytest.mark.multiprocess
+def test_the_multi_worker_tutorials_keras_backup_and_restore_survives_a_kill(tmp_path):
+    # TensorFlow's tutorial cell: Keras's own BackupAndRestore(save_freq=30), 3 epochs of
+    # 70 steps, 2 workers. Worker 1 is killed at step 40 of the second epoch; the group
+    # restarts and trains to the end. Keras resumes at the start of the interrupted epoch
+    # (its backup at step 90 says epoch 1), so its 20 steps before the backup run twice.
+    before = scratch_folders()
+    result = launch(tmp_path, sys.executable, TUTORIAL, str(tmp_path / "out"),
+                    str(tmp_path / "backup"), "--kill", "worker:1@1:40", restarts=1)
+    assert (tmp_path / "out" / "killed").exists()
+    for task in ("worker-0", "worker-1"):
+        report = json.loads((tmp_path / "out" / f"{task}-0.json").read_text())
+        assert report == {"epochs": [1, 2], "iterations": 3 * 70 + 20}, task
+    assert not (tmp_path / "backup").exists()  # deleted at the end, by the chief alone
+    # Worker 1's private copies are removed at its exit; the killed start's stays (SIGKILL
+    # runs no exit handler).
+    assert len(scratch_folders() - before) <= 1
+    assert "Traceback" not in result.stdout.split("restarting")[-1]
+
+
+@pytest.mark.multiprocess
+def test_keras_backup_and_restore_without_the_fix_crashes_at_a_backup(tmp_path):
+    # Keras 3 as installed: both workers write the same files (7 of 7 runs crashed here).
+    result = launch(tmp_path, sys.executable, TUTORIAL, str(tmp_path / "out"),
+                    str(tmp_path / "backup"), "--undo", expect=1)
+    assert "FileExistsError" in result.stdout or "unable to lock file" in result.stdout
+
+
 # --- the user's own shuffle -----------------------------------------------------------------
 
 

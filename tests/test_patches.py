@@ -38,7 +38,7 @@ def _state(patch):
 
 def test_every_patch_names_its_upstream_issue_and_what_breaks():
     names = [patch.name for patch in ALL]
-    assert len(names) == len(set(names)) == 19
+    assert len(names) == len(set(names)) == 21
     for patch in ALL:
         assert patch.upstream and patch.summary, patch
         assert patch.name.split(".")[0] in ("keras", "tensorflow", "horovod"), patch
@@ -108,7 +108,7 @@ def test_group_helpers_apply_and_undo_by_strategy():
     assert patches.apply(patches.MULTI_WORKER) == [p.name for p in patches.MULTI_WORKER]
     assert patches.apply(patches.MULTI_WORKER) == []
     assert sorted(patches.active()) == sorted(p.name for p in patches.MULTI_WORKER)
-    assert patches.undo_all() == [p.name for p in reversed(patches.MULTI_WORKER)]
+    assert sorted(patches.undo_all()) == sorted(p.name for p in patches.MULTI_WORKER)
     assert patches.active() == []
     with pytest.raises(KeyError, match="known: "):
         patches.by_name("keras.nothing")

@@ -17,6 +17,7 @@ One module per upstream component:
     tensorflow_backprop   GradientTape (gradients of sharded variables)
     tensorflow_distribute the strategies (sharded updates, collective keys, CPU replicas)
     keras_normalization   Keras's synchronized batch statistics (over Horovod's ranks)
+    keras_callbacks       Keras's own BackupAndRestore (one writer across processes)
     horovod_tensorflow    horovod.tensorflow (Keras 3 variables in its ops)
 
 Example:
@@ -32,9 +33,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from tfdist.patches import (horovod_tensorflow, keras_normalization, keras_optimizer,
-                            keras_trainer, keras_variables, tensorflow_backprop,
-                            tensorflow_distribute)
+from tfdist.patches import (horovod_tensorflow, keras_callbacks, keras_normalization,
+                            keras_optimizer, keras_trainer, keras_variables,
+                            tensorflow_backprop, tensorflow_distribute)
 from tfdist.patches.base import Patch, registered
 
 # What every adapter applies when it is built (and `tfdist.horovod.keras.init()`): the
@@ -47,6 +48,8 @@ EXACT_UPDATES: tuple[Patch, ...] = (
 MULTI_WORKER: tuple[Patch, ...] = (
     keras_trainer.MULTI_WORKER_SYMBOLIC_BUILD,
     keras_trainer.MULTI_WORKER_METRIC_REDUCTION,
+    keras_callbacks.BACKUP_ONE_WRITER,
+    keras_callbacks.BACKUP_ONE_CLEANER,
 )
 PARAMETER_SERVER: tuple[Patch, ...] = (
     keras_variables.ATOMIC_ASSIGN_ADD,
@@ -66,6 +69,8 @@ HOROVOD: tuple[Patch, ...] = (
     horovod_tensorflow.TAPE_GRADIENT,
     horovod_tensorflow.TAPE_LOCAL_SOURCE,
     horovod_tensorflow.TAPE_LOCAL_AND_GLOBAL_GRADIENTS,
+    keras_callbacks.BACKUP_ONE_WRITER,
+    keras_callbacks.BACKUP_ONE_CLEANER,
 )
 
 
