@@ -63,6 +63,26 @@ def test_a_classic_horovod_script_equals_one_device(launcher, optimizer, tmp_pat
     np.testing.assert_allclose(reports[0]["history"]["loss"], history["loss"], rtol=1e-4)
 
 
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_a_model_built_on_its_first_batch_compiled_as_horovods_docs_equals_one_device(
+        launcher, tmp_path):
+    # No keras.Input (each rank draws its own weights when fit builds the model, before the
+    # broadcast) and compile(..., experimental_run_tf_function=False), as Horovod's docs.
+    reports, weights = run_script(tmp_path, "--optimizer=adam", "--as_horovod_docs",
+                                  launcher=launcher)
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(100)
+    model = job.make_model_without_input()
+    model.compile(reference.make_optimizer("adam"), "sparse_categorical_crossentropy")
+    features, labels = reference.examples(job.GLOBAL_BATCH * job.STEPS)
+    model.fit(tf.data.Dataset.from_tensor_slices((features, labels)).batch(job.GLOBAL_BATCH),
+              epochs=job.EPOCHS, verbose=0)
+    for rank in (0, 1):
+        assert reports[rank]["iterations"] == job.STEPS * job.EPOCHS
+        assert reference.largest_difference(weights[rank], model.get_weights()) < \
+            reference.TOLERANCE
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_horovods_own_keras_module_leaves_the_ranks_unequal(optimizer, tmp_path):
     # The bare stack: Horovod's DistributedOptimizer overrides methods Keras 3 never calls,

@@ -23,19 +23,15 @@ What changed from Horovod's file, and why (each change is Keras 3's, not the tes
 
 - Imports: `horovod.tensorflow.keras` and `horovod.keras` are both `tfdist.horovod.keras`;
   `Optimizer` is `keras.optimizers.Optimizer` (Keras 3 has one optimizer base class).
-- `compile(..., experimental_run_tf_function=False)`: removed; Keras 3's compile refuses
-  the keyword (and it has no effect on Keras 3's train step).
 - `optimizer.lr` -> `optimizer.learning_rate`, `RMSprop(lr=...)` -> `learning_rate=`,
   `Dense(input_shape=...)` -> `keras.Input`, `Embedding(input_length=...)` dropped,
   `ThresholdedReLU(0.5)` -> `ReLU(threshold=0.5)` (removed or renamed in Keras 3).
 - test_train_model_lr_schedule: `batch_size=2`, so that the 10 examples make the 5
   `steps_per_epoch` (Keras 3 stops an epoch whose arrays run out instead of cycling).
-- `opt._compute_gradients(loss, var_list)` (Keras 2 only): the gradients come from a
-  `tf.GradientTape` and go to `opt.apply_gradients`, as Keras 3's train step does;
-  `apply_gradients(..., experimental_aggregate_gradients=False)`: Keras 3 takes no
-  keyword there. test_partial_distributed_optimizer reads the reduced gradients from
-  the update of an optimizer that adds its gradient to the variable, since Keras 3
-  optimizers do not return gradients.
+- `apply_gradients(..., experimental_aggregate_gradients=False)`: Keras 3 takes no
+  keyword there. (`opt._compute_gradients(loss, var_list, tape=...)` is Horovod's, as
+  Horovod calls it: tfdist's DistributedOptimizer has it. test_grad_aggregation_with_inf_grad
+  is Horovod's own, line for line.)
 - The testing optimizers implement Keras 3's `update_step(gradient, variable,
   learning_rate)` and take `learning_rate` as a keyword (DistributedOptimizer rebuilds
   them from their config, as Horovod does).
@@ -109,7 +105,8 @@ class Tf2KerasTests(tf.test.TestCase):
         model.add(keras.layers.ReLU(threshold=0.5))
         model.compile(loss=keras.losses.mean_squared_error,
                       optimizer=opt,
-                      metrics=[keras.metrics.categorical_accuracy])
+                      metrics=[keras.metrics.categorical_accuracy],
+                      experimental_run_tf_function=False)
         x = np.random.random((10, 3))
         y = np.random.random((10, 3, 2))
 
@@ -179,7 +176,8 @@ class Tf2KerasTests(tf.test.TestCase):
         model.add(keras.Input((10,), dtype="int32"))
         model.add(keras.layers.Embedding(1000, 64))
         model.compile(loss=keras.losses.mean_squared_error,
-                      optimizer=opt)
+                      optimizer=opt,
+                      experimental_run_tf_function=False)
 
         x = np.random.randint(1000, size=(32, 10))
         y = np.random.random((32, 10, 64))
@@ -210,7 +208,8 @@ class Tf2KerasTests(tf.test.TestCase):
         model.add(keras.Input((10,), dtype="int32"))
         model.add(keras.layers.Embedding(1000, 64))
         model.compile(loss=keras.losses.mean_squared_error,
-                      optimizer=opt)
+                      optimizer=opt,
+                      experimental_run_tf_function=False)
 
         x = np.random.randint(1000, size=(32, 10))
         y = np.random.random((32, 10, 64))
@@ -225,33 +224,29 @@ class Tf2KerasTests(tf.test.TestCase):
     def test_grad_aggregation_with_inf_grad(self):
         backward_passes_per_step = 2
         step_count = tf.Variable(0, trainable=False, dtype=tf.int32)
-        opt = keras.optimizers.SGD()
+        opt = tf.keras.optimizers.SGD()
         opt = hvd.DistributedOptimizer(
             opt,
             backward_passes_per_step=backward_passes_per_step,
             sparse_as_dense=True
         )
-        x = keras.Variable(0.)
+        x = tf.Variable(0.)
         var = [x]
 
         def loss():
             step_count.assign_add(1)
             return tf.cond(
                 pred=tf.greater(step_count, 1),
-                true_fn=lambda: x.value,
-                false_fn=lambda: x.value * float('inf')
+                true_fn=lambda: x,
+                false_fn=lambda: x * float('inf')
             )
         for _ in range(2 * backward_passes_per_step):
             # in the first aggregation cycle the gradient is infinite,
             # and it should be cleaned up to zero after apply_gradients
             # and doesn't affect the 2nd aggregation cycle
-            with tf.GradientTape() as tape:
-                value = loss()
-            grads = tape.gradient(value, var)
-            opt.apply_gradients(zip(grads, var))
-        assert tf.math.is_finite(grads[0])
-        accumulator = opt._hvd_reduction.accumulator
-        assert all(np.all(a.numpy() == 0) for a in accumulator.accumulators)
+            grads_and_vars = opt._compute_gradients(loss=loss, var_list=var)
+            opt.apply_gradients(grads_and_vars)
+        assert tf.math.is_finite(grads_and_vars[0][0])
 
     def test_from_config(self):
         opt = keras.optimizers.Adam()
@@ -389,10 +384,9 @@ class Tf2KerasTests(tf.test.TestCase):
             var_list = traced_variables
             # Compute and apply gradient updates in tf.function to reproduce
             # how it is done inside `model.fit()`.
-            with tf.GradientTape() as tape:
-                value = loss()
-            grads = tape.gradient(value, var_list)
-            hvd_optimizer.apply_gradients(zip(grads, var_list))
+            grads_and_vars = hvd_optimizer._compute_gradients(
+                loss, var_list=var_list)
+            hvd_optimizer.apply_gradients(grads_and_vars)
 
         traced_variables = variables
         total_num_of_steps = 10
@@ -499,10 +493,9 @@ class Tf2KerasTests(tf.test.TestCase):
             var_list = traced_variables
             # Compute and apply gradient updates in tf.function to reproduce
             # how it is done inside `model.fit()`.
-            with tf.GradientTape() as tape:
-                value = loss()
-            grads = tape.gradient(value, var_list)
-            hvd_optimizer.apply_gradients(zip(grads, var_list))
+            grads_and_vars = hvd_optimizer._compute_gradients(
+                loss, var_list=var_list)
+            hvd_optimizer.apply_gradients(grads_and_vars)
 
         traced_variables = flatten_variables
         total_num_of_steps = 10
@@ -532,6 +525,7 @@ class Tf2KerasTests(tf.test.TestCase):
             model.add(keras.layers.Dense(2, kernel_initializer=initializer, bias_initializer=initializer))
             model.add(keras.layers.RepeatVector(3))
             model.add(keras.layers.TimeDistributed(keras.layers.Dense(3, kernel_initializer=initializer, bias_initializer=initializer)))
+            opt = tf.keras.optimizers.Adam()
             model.compile(loss=keras.losses.mean_squared_error,
                           metrics=[keras.metrics.categorical_accuracy])
 
@@ -547,13 +541,11 @@ class Tf2KerasTests(tf.test.TestCase):
             # deem local layers
             local_layers = model.layers[:num_local_layers]
 
-            opt = hvd_keras.PartialDistributedOptimizer(TestingOptimizer("test"), sparse_as_dense=True, local_layers=local_layers)
-            before = [var.numpy() for var in model.trainable_weights]
-            opt.apply_gradients(zip(gradients_tape, model.trainable_weights))
-            gradients_opt = [var.numpy() - start for var, start in zip(model.trainable_weights, before)]
+            opt = hvd_keras.PartialDistributedOptimizer(opt, sparse_as_dense=True, local_layers=local_layers)
+            gradients_vars_opt = opt._compute_gradients(l, model.trainable_weights, tape=tape)
 
             var_grad_tape = {id(var): grad for var, grad in zip(model.trainable_weights, gradients_tape)}
-            var_grad_opt = {id(var): grad for var, grad in zip(model.trainable_weights, gradients_opt)}
+            var_grad_opt = {id(var): grad for grad, var in gradients_vars_opt}
             local_vars = [id(var) for layer in local_layers for var in layer.trainable_weights]
 
             for var in model.trainable_weights:

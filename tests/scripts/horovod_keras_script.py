@@ -8,7 +8,7 @@ script runs on tfdist's drop-in and on Horovod's own:
     mpirun -np 2 python tests/scripts/horovod_keras_script.py OUT_DIR \
         [--module tfdist.horovod.keras|horovod.tensorflow.keras] [--optimizer sgd|adam] \
         [--backward_passes N [--average_aggregated]] [--no_callbacks] [--same_start] \
-        [--mixed_float16_inf_at STEP] [--option NAME=VALUE ...]
+        [--mixed_float16_inf_at STEP] [--option NAME=VALUE ...] [--as_horovod_docs]
 
 Each rank writes OUT_DIR/rank<R>.npz (final weights) and OUT_DIR/rank<R>.json: rank,
 size, iterations, history, allreduces (how many gradient allreduces ran, counted by a
@@ -20,6 +20,9 @@ alone (Horovod's own callbacks raise on Keras 3; its optimizer does not).
 of step S (of the first epoch). --option passes one more DistributedOptimizer argument:
 op=Sum|Adasum (the module's op), groups=N, groups=by_layer (each layer's variables one
 group), gradient_predivide_factor=F, compression=fp16, sparse_as_dense=true.
+--as_horovod_docs writes the model and compile as Horovod's TF2 Keras examples do: no
+`keras.Input` (the model is built on its first batch, rank r's weights drawn from seed
+100 + r) and `compile(..., experimental_run_tf_function=False)`.
 """
 
 import argparse
@@ -73,6 +76,15 @@ def optimizer_options(hvd, model, options):
     return parsed
 
 
+def make_model_without_input():
+    """The reference model as Horovod's examples write theirs: no `keras.Input`."""
+    import keras
+
+    return keras.Sequential([keras.layers.Dense(16, activation="relu", name="hidden"),
+                             keras.layers.Dense(reference.CLASSES, name="out"),
+                             keras.layers.Activation("softmax", dtype="float32")])
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
@@ -84,6 +96,7 @@ def main():
     parser.add_argument("--same_start", action="store_true")
     parser.add_argument("--mixed_float16_inf_at", type=int)
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--as_horovod_docs", action="store_true")
     args = parser.parse_args()
 
     hvd = importlib.import_module(args.module)
@@ -102,14 +115,21 @@ def main():
                .shard(hvd.size(), hvd.rank())
                .batch(GLOBAL_BATCH // hvd.size()))
 
-    model = reference.make_model()
-    model.set_weights(reference.initial_weights(100 if args.same_start else 100 + hvd.rank()))
+    seed = 100 if args.same_start else 100 + hvd.rank()
+    if args.as_horovod_docs:
+        keras.utils.set_random_seed(seed)  # the weights are drawn when fit builds the model
+        model = make_model_without_input()
+        compile_options = {"experimental_run_tf_function": False}
+    else:
+        model = reference.make_model()
+        model.set_weights(reference.initial_weights(seed))
+        compile_options = {}
     optimizer = hvd.DistributedOptimizer(reference.make_optimizer(args.optimizer),
                                          backward_passes_per_step=args.backward_passes,
                                          average_aggregated_gradients=args.average_aggregated,
                                          **optimizer_options(hvd, model, args.option))
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+                  metrics=["accuracy"], **compile_options)
     callbacks = [] if args.no_callbacks else [
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
         hvd.callbacks.MetricAverageCallback()]

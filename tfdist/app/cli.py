@@ -265,7 +265,7 @@ def _patches() -> dict:
                       *adapter_cls.patches_while_building):
             if name not in users.setdefault(patch.name, []):
                 users[patch.name].append(name)
-    for patch in patches.HOROVOD:
+    for patch in patches.HOROVOD_KERAS:
         users.setdefault(patch.name, []).append("tfdist.horovod.keras.init()")
     return {"active": patches.active(),
             "all": [{"name": patch.name, "upstream": patch.upstream,

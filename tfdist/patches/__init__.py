@@ -10,7 +10,8 @@ place now.
 One module per upstream component:
 
     keras_trainer         Keras's TensorFlow trainer (multi-worker fit, the
-                          parameter-server fit/evaluate/predict routing)
+                          parameter-server fit/evaluate/predict routing, Horovod
+                          Keras scripts' compile and model build)
     keras_variables       Keras's TensorFlow Variable (atomic updates on parameter servers)
     keras_optimizer       Keras's TensorFlow optimizer (sparse rows and replicas summed
                           before clipping; slots of sharded variables)
@@ -61,7 +62,7 @@ PARAMETER_SERVER: tuple[Patch, ...] = (
     keras_trainer.PARAMETER_SERVER_EVALUATE,
     keras_trainer.PARAMETER_SERVER_PREDICT,
 )
-# The `horovod` adapter, and `tfdist.horovod.keras.init()`.
+# The `horovod` adapter (and `tfdist.horovod.keras.init()`, with HOROVOD_KERAS).
 HOROVOD: tuple[Patch, ...] = (
     *EXACT_UPDATES,
     keras_normalization.HOROVOD_SYNCHRONIZED_MOMENTS,
@@ -71,6 +72,12 @@ HOROVOD: tuple[Patch, ...] = (
     horovod_tensorflow.TAPE_LOCAL_AND_GLOBAL_GRADIENTS,
     keras_callbacks.BACKUP_ONE_WRITER,
     keras_callbacks.BACKUP_ONE_CLEANER,
+)
+# `tfdist.horovod.keras.init()`: Horovod's own Keras scripts, which build no strategy.
+HOROVOD_KERAS: tuple[Patch, ...] = (
+    *HOROVOD,
+    keras_trainer.HOROVOD_BUILD_BEFORE_CALLBACKS,
+    keras_trainer.HOROVOD_COMPILE_KEYWORD,
 )
 
 
@@ -115,5 +122,5 @@ def by_name(name: str) -> Patch:
                    f"{', '.join(patch.name for patch in registered())}")
 
 
-__all__ = ["EXACT_UPDATES", "HOROVOD", "MULTI_WORKER", "PARAMETER_SERVER", "Patch", "active", "apply", "by_name",
+__all__ = ["EXACT_UPDATES", "HOROVOD", "HOROVOD_KERAS", "MULTI_WORKER", "PARAMETER_SERVER", "Patch", "active", "apply", "by_name",
            "registered", "undo", "undo_all"]

@@ -8,6 +8,16 @@
   (keras-team/keras#18624): `fit`, `evaluate` and `predict` of a model built under
   the strategy go to tfdist's coordinated loop instead.
 
+- Horovod's Keras scripts (`tfdist.horovod.keras`, no tf.distribute strategy) meet
+  two Keras 3 changes: `compile` refuses `experimental_run_tf_function`, which
+  Horovod's TF2 Keras documentation and examples pass; and a model without an `Input`
+  is built only when its first step is traced, after the callbacks have started, so
+  the broadcast of rank 0's state before the first step sees no variables (and builds
+  the optimizer for none: "Unknown variable" at the first update). With Horovod
+  initialised, the keyword is accepted and ignored (noted once), and
+  such a model is built from its first batch before `fit` starts its callbacks, as
+  Keras does under a strategy.
+
 Each replacement acts only for models under the strategy whose bug it fixes and calls
 Keras's own code for every other model.
 
@@ -71,6 +81,86 @@ MULTI_WORKER_SYMBOLIC_BUILD = Patch(
     upstream="keras-team/keras#20585, tensorflow/tensorflow#72388",
     summary="model.fit under MultiWorkerMirroredStrategy fails building the model: "
             "'Attempt to convert a value (PerReplica...)'")
+
+
+def _horovod_running() -> bool:
+    """Whether this program has initialised Horovod."""
+    from tfdist.patches.keras_normalization import initialized_horovod
+
+    return initialized_horovod() is not None
+
+
+def _built_before_callbacks(original: Callable) -> Callable:
+    import tensorflow as tf
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        unbuilt = not all(layer.built for layer in self._flatten_layers())
+        if self._distribute_strategy is not None or not unbuilt or not _horovod_running():
+            return original(self, iterator=iterator, data_batch=data_batch)
+        # Keras builds here only under a strategy; the default strategy stands in for
+        # the call (one batch read, as under any strategy).
+        self._distribute_strategy = tf.distribute.get_strategy()
+        try:
+            return original(self, iterator=iterator, data_batch=data_batch)
+        finally:
+            self._distribute_strategy = None
+
+    return _maybe_symbolic_build
+
+
+HOROVOD_BUILD_BEFORE_CALLBACKS = Patch(
+    "keras.trainer.horovod_build_before_callbacks",
+    owner=_trainer_class, attribute="_maybe_symbolic_build",
+    replacement=_built_before_callbacks,
+    bug_present=lambda original: source_contains(original,
+                                                 "if self._distribute_strategy is None"),
+    upstream="none filed: Keras 3 defers building a model outside any strategy to its "
+             "first traced step (keras/src/backend/tensorflow/trainer.py)",
+    summary="a Horovod Keras model without an Input is built after the broadcast callback "
+            "started: 'Unknown variable' at the first update")
+
+_noted_run_tf_function = False
+
+
+def _accepts_run_tf_function(original: Callable) -> Callable:
+    from absl import logging
+
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        global _noted_run_tf_function
+        if "experimental_run_tf_function" not in kwargs or not _horovod_running():
+            return original(self, *args, **kwargs)  # Keras's own TypeError for the keyword
+        del kwargs["experimental_run_tf_function"]
+        if not _noted_run_tf_function:
+            _noted_run_tf_function = True
+            logging.warning("tfdist.horovod.keras: compile(experimental_run_tf_function=...) "
+                            "is ignored: Keras 3 always runs its train step as a tf.function, "
+                            "and DistributedOptimizer reduces the gradients inside it")
+        return original(self, *args, **kwargs)
+
+    return compile
+
+
+def _refuses_run_tf_function(original: Callable) -> bool:
+    parameters = inspect.signature(original).parameters
+    return ("experimental_run_tf_function" not in parameters
+            and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()))
+
+
+def _trainer_base_class() -> Any:
+    from keras.src.trainers import trainer
+
+    return trainer.Trainer
+
+
+HOROVOD_COMPILE_KEYWORD = Patch(
+    "keras.trainer.horovod_compile_keyword",
+    owner=_trainer_base_class, attribute="compile",
+    replacement=_accepts_run_tf_function, bug_present=_refuses_run_tf_function,
+    upstream="none filed: Keras 3 removed the keyword that Horovod's TF2 Keras docs and "
+             "examples pass",
+    summary="compile(..., experimental_run_tf_function=False), as Horovod's docs write it, "
+            "raises TypeError")
 
 
 def _mean_over_replicas(original: Callable) -> Callable:

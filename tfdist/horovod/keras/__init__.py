@@ -15,8 +15,10 @@ Here:
   uses) before the update; `backward_passes_per_step` accumulates with
   `tfdist.accumulation.GradientAccumulator`, one allreduce per update.
 - `callbacks` and `elastic` hold Horovod's callbacks and elastic state for Keras 3.
-- `init()` initialises Horovod and applies the fixes Horovod's own code needs on
-  Keras 3 (`tfdist.patches.HOROVOD`); importing this module changes nothing.
+- `init()` initialises Horovod and applies the fixes Horovod's own code and scripts
+  need on Keras 3 (`tfdist.patches.HOROVOD_KERAS`: among them, `compile` accepts
+  `experimental_run_tf_function`, and a model without an `Input` is built before the
+  broadcast); importing this module changes nothing.
 
 What cannot carry over to Keras 3 is refused with one line that says why
 (`tfdist.ConfigError`, a ValueError).
@@ -61,7 +63,8 @@ from tfdist.horovod.keras.layers import SyncBatchNormalization  # noqa: F401
 
 def init(*args: Any, **kwargs: Any) -> None:
     """Initialises Horovod (`horovod.tensorflow.init`'s arguments), then applies the fixes
-    Horovod's code needs on Keras 3 (`tfdist.patches.HOROVOD`; `tfdist env` lists them).
+    Horovod's code and scripts need on Keras 3 (`tfdist.patches.HOROVOD_KERAS`; `tfdist
+    env` lists them).
 
     Example:
 
@@ -69,7 +72,7 @@ def init(*args: Any, **kwargs: Any) -> None:
         hvd.rank(), hvd.size()
     """
     _hvd.init(*args, **kwargs)
-    _patches.apply(_patches.HOROVOD)
+    _patches.apply(_patches.HOROVOD_KERAS)
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None,
@@ -221,6 +224,9 @@ class _Reduction:
                                                  average=average_aggregated_gradients)
                             if backward_passes_per_step > 1 else None)
         self.local: set[int] = set()
+        # Set (while tracing) by `_compute_gradients`/`get_gradients`, which return
+        # reduced gradients: the next `apply` applies them without reducing again.
+        self.reduced_ahead = False
 
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
         """`grads` with each shared gradient reduced across ranks, and each local one
@@ -286,6 +292,71 @@ class _DistributedMixin:
             # state of the user's class, and loads in plain Keras.
             accumulator.build(var_list, _rank_local_variable)
 
+    def _compute_gradients(self, loss: Any, var_list: Any, grad_loss: Any = None,
+                           tape: Any = None) -> list[tuple[Any, Any]]:
+        """Horovod's custom-loop API: the gradients of `loss`, reduced across ranks.
+
+        Args:
+            loss: The loss, computed under `tape`; or a function of no arguments that
+                returns it (then computed here, under `tape` or a new one).
+            var_list: The variables, or a function returning them.
+            grad_loss: The gradient of the loss itself (None: ones).
+            tape: The `tf.GradientTape` that recorded `loss`.
+
+        Returns:
+            (gradient, variable) pairs, each gradient reduced as `apply` would reduce it;
+            the `apply_gradients` that follows applies them without reducing again. With
+            `backward_passes_per_step` > 1, this rank's own gradients: `apply_gradients`
+            accumulates them and reduces once per update.
+
+        Example:
+
+            with tf.GradientTape() as tape:
+                loss = loss_fn(model(x, training=True), y)
+            opt.apply_gradients(opt._compute_gradients(loss, model.trainable_variables,
+                                                       tape=tape))
+        """
+        tape = tf.GradientTape() if tape is None else tape
+        if callable(loss):
+            with tape:
+                if not callable(var_list):
+                    tape.watch([_collectives.tf_variable(v) for v in var_list])
+                loss = loss()
+        if callable(var_list):
+            var_list = var_list()
+        var_list = list(var_list)
+        grads = tape.gradient(loss, [_collectives.tf_variable(v) for v in var_list], grad_loss)
+        return list(zip(self._reduced_ahead(grads, var_list), var_list))
+
+    def compute_gradients(self, loss: Any, var_list: Any,
+                          tape: Any = None) -> list[tuple[Any, Any]]:
+        """`_compute_gradients(loss, var_list, None, tape)`, as Horovod has it."""
+        return self._compute_gradients(loss, var_list, None, tape)
+
+    def get_gradients(self, loss: Any, params: Sequence[Any]) -> list[Any]:
+        """The gradients of `loss` (a graph tensor) for `params`, reduced across ranks.
+
+        Inside a `tf.function` only, as in Keras 2 (`tf.gradients` has no eager form);
+        eager code uses `_compute_gradients(loss, var_list, tape=tape)`.
+        """
+        if tf.executing_eagerly():
+            raise ConfigError("get_gradients works inside a tf.function only (it uses "
+                              "tf.gradients, as Keras 2 did); in eager code call "
+                              "_compute_gradients(loss, var_list, tape=tape). Received: "
+                              "an eager loss")
+        params = list(params)
+        grads = tf.gradients(loss, [_collectives.tf_variable(param) for param in params])
+        return self._reduced_ahead(grads, params)
+
+    def _reduced_ahead(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+        """`grads` reduced now, for the next `apply` to apply as they are (with
+        accumulation, as they are: `apply` reduces once per update)."""
+        reduction = self._hvd_reduction
+        if reduction.accumulator is not None:
+            return list(grads)
+        reduction.reduced_ahead = True
+        return reduction.reduce(grads, variables)
+
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
@@ -299,6 +370,11 @@ class _DistributedMixin:
 
         def reduce_and_apply(grads: Sequence[Any]) -> None:
             apply_update(reduction.reduce(grads, trainable_variables), trainable_variables)
+
+        if reduction.reduced_ahead:
+            reduction.reduced_ahead = False
+            apply_update(grads, trainable_variables)
+            return
 
         if reduction.accumulator is None:
             reduce_and_apply(grads)
