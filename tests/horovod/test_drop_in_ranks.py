@@ -83,6 +83,21 @@ def test_a_model_built_on_its_first_batch_compiled_as_horovods_docs_equals_one_d
             reference.TOLERANCE
 
 
+@pytest.mark.parametrize("op, reduced", [("Sum", 3.0), ("Average", 1.5)])
+def test_a_custom_loop_with_compute_gradients_reduces_once(op, reduced, tmp_path):
+    # Rank r's gradient is r + 1: summed 3, averaged 1.5. apply_gradients must not reduce
+    # what _compute_gradients returned again (a second sum would step by 6).
+    script = str(REPO / "tests" / "scripts" / "horovod_custom_loop.py")
+    result = run_command(launcher_command("mpirun", sys.executable, script, str(tmp_path),
+                                          "--op", op), cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["gradient"] == [reduced, reduced]
+        np.testing.assert_allclose(report["w"], [1.0 - 0.1 * reduced, 2.0 - 0.1 * reduced],
+                                   rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_horovods_own_keras_module_leaves_the_ranks_unequal(optimizer, tmp_path):
     # The bare stack: Horovod's DistributedOptimizer overrides methods Keras 3 never calls,

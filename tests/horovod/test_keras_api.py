@@ -119,7 +119,49 @@ def test_init_applies_the_horovod_fixes_and_import_does_not(hvd):
               "before = patches.active(); hvd.init(); print(before, len(patches.active()))")
     result = run_command([sys.executable, "-c", script], cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split()[-2:] == ["[]", "5"]
+    from tfdist import patches
+
+    assert result.stdout.split()[-2:] == ["[]", str(len(patches.HOROVOD_KERAS))]
+
+
+def test_horovods_compile_keyword_is_accepted_after_init_and_keras_refuses_it_without(hvd):
+    from tfdist import patches
+
+    model = reference.make_model()
+    patches.apply(patches.HOROVOD_KERAS)
+    model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse",
+                  experimental_run_tf_function=False)
+    patches.undo([patches.keras_trainer.HOROVOD_COMPILE_KEYWORD])
+    try:
+        with pytest.raises(TypeError, match="experimental_run_tf_function"):
+            model.compile("sgd", "mse", experimental_run_tf_function=False)
+    finally:
+        patches.apply(patches.HOROVOD_KERAS)
+
+
+def test_compute_gradients_returns_the_gradients_and_apply_does_not_reduce_them_again(hvd):
+    import tensorflow as tf
+
+    variable = keras.Variable([1.0, 2.0])
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Sum)
+    pairs = optimizer._compute_gradients(lambda: tf.reduce_sum(variable.value * 3.0),
+                                         [variable])
+    np.testing.assert_allclose(pairs[0][0], [3.0, 3.0])
+    assert pairs[0][1] is variable and optimizer._hvd_reduction.reduced_ahead
+    optimizer.apply_gradients(pairs)
+    assert optimizer._hvd_reduction.reduced_ahead == []
+    np.testing.assert_allclose(variable.numpy(), [-2.0, -1.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(variable.value ** 2)
+    [(gradient, _)] = optimizer.compute_gradients(loss, [variable], tape=tape)
+    np.testing.assert_allclose(gradient, [-4.0, -2.0])
+    from tfdist import ConfigError
+
+    with pytest.raises(ConfigError, match="inside a tf.function only"):
+        optimizer.get_gradients(loss, [variable])
+    in_graph = tf.function(lambda: optimizer.get_gradients(
+        tf.reduce_sum(variable.value * 5.0), [variable]))()
+    np.testing.assert_allclose(in_graph[0], [5.0, 5.0])
 
 
 def test_keras_variables_in_horovods_own_ops_work_after_init(hvd):

@@ -224,9 +224,9 @@ class _Reduction:
                                                  average=average_aggregated_gradients)
                             if backward_passes_per_step > 1 else None)
         self.local: set[int] = set()
-        # Set (while tracing) by `_compute_gradients`/`get_gradients`, which return
-        # reduced gradients: the next `apply` applies them without reducing again.
-        self.reduced_ahead = False
+        # The gradients `_compute_gradients`/`get_gradients` last returned, reduced
+        # already: `apply` applies exactly these objects without reducing them again.
+        self.reduced_ahead: list[Any] = []
 
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
         """`grads` with each shared gradient reduced across ranks, and each local one
@@ -304,8 +304,10 @@ class _DistributedMixin:
             tape: The `tf.GradientTape` that recorded `loss`.
 
         Returns:
-            (gradient, variable) pairs, each gradient reduced as `apply` would reduce it;
-            the `apply_gradients` that follows applies them without reducing again. With
+            (gradient, variable) pairs, each gradient reduced as `apply` would reduce it.
+            `apply_gradients` applies these very gradients without reducing them again;
+            gradients computed from them (clipped, say) are reduced again, which changes
+            nothing with `op=Average` and multiplies by the ranks with `op=Sum`. With
             `backward_passes_per_step` > 1, this rank's own gradients: `apply_gradients`
             accumulates them and reduces once per update.
 
@@ -354,8 +356,9 @@ class _DistributedMixin:
         reduction = self._hvd_reduction
         if reduction.accumulator is not None:
             return list(grads)
-        reduction.reduced_ahead = True
-        return reduction.reduce(grads, variables)
+        reduced = reduction.reduce(grads, variables)
+        reduction.reduced_ahead = [grad for grad in reduced if grad is not None]
+        return reduced
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         if trainable_variables is None:
@@ -371,8 +374,11 @@ class _DistributedMixin:
         def reduce_and_apply(grads: Sequence[Any]) -> None:
             apply_update(reduction.reduce(grads, trainable_variables), trainable_variables)
 
-        if reduction.reduced_ahead:
-            reduction.reduced_ahead = False
+        grads = list(grads)
+        present = [grad for grad in grads if grad is not None]
+        if present and len(present) == len(reduction.reduced_ahead) and all(
+                grad is reduced for grad, reduced in zip(present, reduction.reduced_ahead)):
+            reduction.reduced_ahead = []
             apply_update(grads, trainable_variables)
             return
 
