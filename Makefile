@@ -14,7 +14,7 @@ KERAS ?=
 PYTEST_ARGS ?=
 COMPAT := .compat/keras-$(KERAS)
 
-.PHONY: setup demo test test-fast test-compat bench bench-gpu clean
+.PHONY: setup demo lint test test-fast test-compat bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -25,8 +25,12 @@ $(STAMP): pyproject.toml scripts/setup.sh scripts/install_horovod.sh
 demo: setup
 	$(BIN)/tfdist train --config strategies/mirrored.yaml $(DEMO_FLAGS)
 
-# Everything, as CI runs it; a missing mpirun or Horovod fails rather than skips.
-test: setup
+# Style (flake8, configured in setup.cfg) over everything Python in the repository.
+lint: setup
+	$(BIN)/python -m flake8 tfdist tests benchmarks examples scripts
+
+# Everything, as CI runs it: lint first; a missing mpirun or Horovod fails rather than skips.
+test: setup lint
 	$(BIN)/python -m pytest --require-all
 
 # The unit tier: no process started, nothing trained for long (under 2 minutes).

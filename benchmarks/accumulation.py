@@ -143,5 +143,6 @@ def main() -> None:
                           **{f"mlp_{k}": {kk: round(vv, 1) for kk, vv in v.items()}
                              for k, v in communication.items()}})
 
+
 if __name__ == "__main__":
     main()

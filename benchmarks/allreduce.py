@@ -185,5 +185,6 @@ def main() -> None:
              "horovod_over_ring_64mb": round(series["Horovod/MPI"]["64"]
                                              / series["TF RING"]["64"], 2)} if ratios else {}))
 
+
 if __name__ == "__main__":
     main()

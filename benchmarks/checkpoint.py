@@ -177,5 +177,6 @@ def main() -> None:
             for name, result in results.items()},
          horovod_vote_us=round(vote_us, 1), horovod_check_us=round(check_us, 1))
 
+
 if __name__ == "__main__":
     main()

@@ -153,5 +153,6 @@ def main() -> None:
          **{f"{key}_{name}": value for key, rates in series.items()
             for name, value in rates.items()})
 
+
 if __name__ == "__main__":
     main()

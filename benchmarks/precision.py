@@ -101,5 +101,6 @@ def main() -> None:
         step_ms={k: round(v, 2) for k, v in step_ms.items()},
         matmul_gflops={k: round(v, 1) for k, v in gflops.items()})
 
+
 if __name__ == "__main__":
     main()

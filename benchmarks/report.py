@@ -94,7 +94,7 @@ def run_benchmark(name: str, results_dir: str = RESULTS_DIR) -> dict:
     else:
         tail = (stdout.splitlines() or [""])[-1][:300]
         result = {"benchmark": name, "figures": [], "run": {**run, "error": tail,
-                                                           "log": os.path.relpath(log_path, REPO)}}
+                                                            "log": os.path.relpath(log_path, REPO)}}
     with open(os.path.join(results_dir, f"{name}.json"), "w") as stream:
         json.dump(result, stream, indent=1)
     print(f"report: {name}: {'done' if status == 0 else f'FAILED ({status})'} in "

@@ -173,7 +173,6 @@ def fit_ring_model(runs: list[tuple[float, int, bool, float]],
                      per_tensor=max(per_tensor, 0.0))
 
 
-
 def predict(model: RingModel, strategy_name: str, elements: list[int]) -> float:
     """The model's seconds for reducing float32 tensors of these sizes under the strategy.
 

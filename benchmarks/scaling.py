@@ -122,5 +122,6 @@ def main() -> None:
          per_worker_batch=PER_WORKER_BATCH, repeats=args.repeats,
          runs={str(k): [round(v, 1) for v in vs] for k, vs in rates.items()})
 
+
 if __name__ == "__main__":
     main()

@@ -64,6 +64,8 @@ FIT_MB = (1 / 32, 1 / 4, 1, 2, 4, 8, 24, 32, 48, 64, 96, 128)
 PACKED, PACKED_MB, BIAS = 4, (2, 8, 32, 64), 10
 COUNTS, SMALL_TENSOR = (16, 64), 1024  # many 4 KB tensors, for the per-tensor cost
 STRATEGIES = ("mirrored", "multi_worker", "horovod")
+
+
 def describe(elements: list[int]) -> str:
     """A calibration run's name: "4x131072+10" is 4 tensors of 131072 elements and one of 10."""
     parts, index = [], 0

@@ -159,7 +159,7 @@ def scratch_folders():
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored", "multi_worker"])
 @pytest.mark.multiprocess
 def test_sigkill_mid_epoch_resumes_at_the_step_after_the_checkpoint(strategy, reference,
-                                                                   tmp_path):
+                                                                    tmp_path):
     # SIGKILL at step 6 of the second epoch; the last checkpoint is at its step 4.
     kill = ["--kill", f"{TASKS[strategy][-1]}@1:6"]
     if strategy == "multi_worker":

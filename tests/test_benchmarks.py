@@ -65,7 +65,7 @@ def check_figures(figures, keys):
                   "horovod_ratio_resnet50", "horovod_min_ratio"}, marks=needs_horovod),
     pytest.param("sync_cost.py", QUICK_SYNC_COST,
                  {f"{strategy}_0.1mb_{figure}" for strategy in ("mirrored", "multi_worker",
-                                                               "horovod")
+                                                                "horovod")
                   for figure in ("ratio", "model_error")} | {"model_worst_error"},
                  marks=needs_horovod),
     pytest.param("overlap.py", ["--epochs", "2", "--steps", "1", "--model", "small"],

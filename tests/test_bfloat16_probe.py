@@ -48,7 +48,7 @@ def test_the_probe_measures_once_per_machine_and_is_read_back(tmp_path):
     again = bfloat16_probe.cached_probe(cluster)
     assert again.cached
     assert (again.float32_gflops, again.bfloat16_gflops) == (measured.float32_gflops,
-                                                              measured.bfloat16_gflops)
+                                                             measured.bfloat16_gflops)
     policy = resolve_precision(Precision.AUTO, strategy=Strategy.ONE_DEVICE, cluster=cluster)
     assert (policy.precision is Precision.MIXED_BFLOAT16) == measured.bfloat16_faster
 

@@ -56,7 +56,8 @@ def test_slurm_variables():
 ])
 def test_mpi_ranks(env, launcher):
     mpi = detect(env).mpi
-    assert (mpi.rank, mpi.size, mpi.local_rank, mpi.local_size, mpi.launcher) == (1, 2, 1, 2, launcher)
+    assert ((mpi.rank, mpi.size, mpi.local_rank, mpi.local_size, mpi.launcher)
+            == (1, 2, 1, 2, launcher))
 
 
 def test_tpu_sources(tmp_path):

@@ -155,6 +155,7 @@ def test_interrupting_the_launcher_stops_every_child(signum, started_ignoring_si
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True,
                                 preexec_fn=_ignore_sigint if started_ignoring_sigint else None)
+
     def children():
         return [pid for pid in processes_with(marker) if pid != launcher.pid]
 
@@ -222,7 +223,7 @@ sys.exit(143)
 @pytest.mark.multiprocess
 def test_a_task_exiting_143_gives_the_others_time_to_save(tmp_path):
     result = run_command([TFDIST, "launch", "-n", "2", "--", *python(SAVES_THEN_EXITS_143,
-                                                                   uuid.uuid4().hex)],
+                                                                     uuid.uuid4().hex)],
                          cwd=tmp_path, timeout=60)
     assert result.returncode == 143
     assert "worker:0 exited with status 143 (saved for a restart)" in result.stdout

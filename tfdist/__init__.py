@@ -34,6 +34,7 @@ def __getattr__(name: str) -> Any:
         return value
     raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
 
+
 __all__ = [
     "ClusterError",
     "ClusterInfo",

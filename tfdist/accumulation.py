@@ -118,6 +118,7 @@ class GradientAccumulator:
         def decide(run: Callable[[Callable[[], None]], None]) -> None:
             complete = self.micro_batches.value >= self.steps
             apply = tf.logical_and(complete, tf.equal(self.cycle_skipped.value, 0))
+
             def reset_if_complete() -> None:
                 tf.cond(complete, lambda: run(self.reset), _nothing)
 

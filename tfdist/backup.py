@@ -25,7 +25,7 @@ deletes the same folder. This callback restores the exact state instead:
   agreed step boundary, saves, and exits with status 143 (`tfdist.preemption`).
 - **Horovod elastic**: with an elastic state (`runner.run_elastic`), the same
   points commit the state in memory, and a `fit` called again after a reset
-  resumes from the last commit (`tfdist.elastic`).
+  resumes from the last commit (`tfdist.horovod.elastic`).
 
 Example:
 
@@ -77,7 +77,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_every_steps: Also save every this many steps (0: at epoch ends only).
         keep: Checkpoints kept (>= 2).
         grace_seconds: How long after SIGTERM a process may take to stop.
-        elastic_state: A `tfdist.elastic` state to commit to at every save point,
+        elastic_state: A `tfdist.horovod.elastic` state to commit to at every save point,
             and to resume from when it holds a commit.
 
     Example:

@@ -145,7 +145,7 @@ class CheckpointStore:
         if not self._is_writer:
             shutil.rmtree(self._manager.directory, ignore_errors=True)
         return path if self._is_writer else os.path.join(self.directory,
-                                                          os.path.basename(path))
+                                                         os.path.basename(path))
 
     def candidates(self) -> list[str]:
         """The checkpoints in `directory`, newest first."""

@@ -275,6 +275,7 @@ def _int_var(env: Mapping[str, str], name: str, default: int | None = None) -> i
 def _slurm(env: Mapping[str, str]) -> SlurmInfo | None:
     if "SLURM_PROCID" not in env:
         return None
+
     def first(*names: str) -> str:
         return next((env[name] for name in names if env.get(name)), "")
 

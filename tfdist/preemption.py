@@ -41,7 +41,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 from absl import logging
 

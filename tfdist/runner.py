@@ -309,20 +309,15 @@ class Runner:
 
             runner.run_elastic(train)
         """
-        if self.strategy_name is not Strategy.HOROVOD:
-            raise ConfigError(f"runner.run_elastic needs strategy horovod (under horovodrun "
-                              f"--min-np ...); other strategies restart the whole group from "
-                              f"a checkpoint instead. Received: strategy="
-                              f"{self.strategy_name.value}")
-        from tfdist import elastic
+        def train_with(state: Any) -> Any:
+            # runner.callbacks() inside `train` commits to `state`.
+            self._elastic_state = state
+            try:
+                return train()
+            finally:
+                self._elastic_state = None
 
-        self._elastic_state = elastic.elastic_state_cls()(self._adapter.hvd)
-        try:
-            state = self._elastic_state
-            return elastic.run(self._adapter.hvd, state, train, on_reset=lambda: (
-                state.model is not None and self._adapter.on_membership_change(state.model)))
-        finally:
-            self._elastic_state = None
+        return self._adapter.run_elastic(train_with)
 
     def writable_dir(self, directory: str | os.PathLike) -> str:
         """Where this process writes what only the chief should keep.

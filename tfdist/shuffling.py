@@ -34,6 +34,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
+
 class EpochShuffle:
     """Shuffles each pass over a dataset in the order of (seed, epoch).
 

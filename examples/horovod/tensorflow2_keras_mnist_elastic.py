@@ -1,4 +1,5 @@
-"""Horovod's examples/elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py on tfdist.horovod.keras.
+"""Horovod's examples/elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py, on
+tfdist.horovod.keras.
 
 Changes: the import line; generated data instead of the MNIST download (see
 tensorflow2_keras_mnist.py); `compile` without `experimental_run_tf_function` and

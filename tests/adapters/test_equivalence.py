@@ -51,7 +51,8 @@ def test_mirrored_equals_one_device(optimizer, source):
     assert replicas == 1
     replicas, mirrored = train_weights("mirrored", OPTIMIZERS[optimizer](), source)
     assert replicas == 2
-    assert max_difference(expected, reference.initial_weights()) > 1e-2  # training moved the weights
+    # Training moved the weights.
+    assert max_difference(expected, reference.initial_weights()) > 1e-2
     assert max_difference(mirrored, expected) < TOLERANCE
 
 

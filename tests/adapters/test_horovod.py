@@ -1,7 +1,6 @@
 """horovod under Keras 3 model.fit, with 2 real ranks started by mpirun (and horovodrun)."""
 
 import json
-import os
 import sys
 
 import keras
@@ -156,7 +155,7 @@ def test_history_is_the_same_on_every_rank_and_is_the_global_mean(trained):
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
 def test_summed_gradients_or_a_scaled_rate_equal_one_device_at_twice_the_rate(setting,
-                                                                             tmp_path):
+                                                                              tmp_path):
     # With SGD, the sum of 2 ranks' mean gradients, or their mean at twice the rate, is
     # one_device's step at twice the rate.
     by_rank, weights_by_rank = run_ranks(tmp_path, "--optimizer=sgd", f"--set={setting}")

@@ -57,7 +57,8 @@ def test_a_classic_horovod_script_equals_one_device(launcher, optimizer, tmp_pat
         assert reference.largest_difference(weights[rank], expected) < reference.TOLERANCE
         # One grouped allreduce per step, and Keras's own class name.
         assert reports[rank]["allreduces"] == reports[rank]["iterations"] == job.STEPS * job.EPOCHS
-        assert reports[rank]["optimizer_class"] == type(reference.make_optimizer(optimizer)).__name__
+        users_class = type(reference.make_optimizer(optimizer)).__name__
+        assert reports[rank]["optimizer_class"] == users_class
     # MetricAverageCallback: both ranks log the mean over the global batches.
     assert reports[0]["history"] == reports[1]["history"]
     np.testing.assert_allclose(reports[0]["history"]["loss"], history["loss"], rtol=1e-4)

@@ -23,6 +23,8 @@ def grouped():
 
 first, second = grouped()
 broadcast = hvd.broadcast(tf.constant([float(rank + 10)]), root_rank=0)
+
+
 def compact(values):
     return str(values).replace(" ", "")
 

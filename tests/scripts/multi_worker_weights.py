@@ -9,8 +9,9 @@ Run by tests under `tfdist launch` (one process per worker) to compare with one_
 --inf_at_step S trains under mixed_float16 with an inf in worker 1's half of step S
 (--keras_loss_scaling: with Keras's own per-worker skip decision).
 --accumulation_steps K trains with micro-batches of 1/K of the global batch, K per update,
-and reports how many gradient all-reduces ran. --undo FIX removes one of tfdist's Keras fixes after the Runner is built, to show the
-bug it fixes. --bare skips tfdist entirely: plain MultiWorkerMirroredStrategy + model.fit.
+and reports how many gradient all-reduces ran. --undo FIX removes one of tfdist's Keras
+fixes after the Runner is built, to show the bug it fixes. --bare skips tfdist entirely:
+plain MultiWorkerMirroredStrategy + model.fit.
 """
 
 import argparse
@@ -19,7 +20,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -81,8 +81,9 @@ def main():
             keras_trainer.MULTI_WORKER_SYMBOLIC_BUILD.undo()
         elif args.undo == "metric_reduction":
             keras_trainer.MULTI_WORKER_METRIC_REDUCTION.undo()
-        features, labels = reference_examples(EXAMPLES, inf_at=None if args.inf_at_step is None
-                                              else args.inf_at_step * GLOBAL_BATCH + GLOBAL_BATCH - 1)
+        inf_at = (None if args.inf_at_step is None
+                  else args.inf_at_step * GLOBAL_BATCH + GLOBAL_BATCH - 1)
+        features, labels = reference_examples(EXAMPLES, inf_at=inf_at)
         dataset = tf.data.Dataset.from_tensor_slices((features, labels))
         strategy, is_chief = runner.strategy, runner.is_chief
         data = runner.dataset(dataset, GLOBAL_BATCH // args.accumulation_steps)

@@ -333,7 +333,7 @@ def bare_multi_worker(args):
     task = f"worker{strategy.cluster_resolver.task_id}"
     features, labels = examples()
     data = tf.data.Dataset.from_tensor_slices((features, labels)).batch(GLOBAL_BATCH,
-                                                                         drop_remainder=True)
+                                                                        drop_remainder=True)
     with strategy.scope():
         model = make_model()
         model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")

@@ -189,6 +189,20 @@ class Adapter(abc.ABC):
     def after_restore(self, variables: Sequence[Any]) -> None:
         """Adjusts `variables`, just restored from a checkpoint every process read."""
 
+    def run_elastic(self, train: Callable[[Any], Any]) -> Any:
+        """Runs `train(state)` so that it goes on with the processes left when one is lost.
+
+        Only `horovod` can (Horovod elastic); every other strategy restarts the whole
+        group from a checkpoint, and the base refuses.
+
+        Args:
+            train: Takes the elastic state to commit to, and calls `model.fit`.
+        """
+        raise ConfigError(f"runner.run_elastic needs strategy horovod (under horovodrun "
+                          f"--min-np ...); other strategies restart the whole group from "
+                          f"a checkpoint instead. Received: strategy="
+                          f"{self.config.strategy.value}")
+
     def server_addresses(self) -> list[str]:
         """`host:port` of the TensorFlow servers this strategy starts (none by default)."""
         return []

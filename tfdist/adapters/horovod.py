@@ -36,7 +36,7 @@ from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_
 from tfdist.cluster import ClusterInfo, set_default_environment
 from tfdist.config import Compression, Config, Reduction
 from tfdist.errors import ConfigError
-from tfdist.horovod import collectives
+from tfdist.horovod import collectives, elastic
 from tfdist.horovod.collectives import AverageMetrics, BroadcastState
 from tfdist.optimizers import GradientReducingOptimizer
 from tfdist.patches import HOROVOD
@@ -155,6 +155,14 @@ class HorovodAdapter(Adapter):
                                   num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return dataset.prefetch(tf.data.AUTOTUNE)
 
+    def run_elastic(self, train: Callable[[Any], Any]) -> Any:
+        """Runs `train(state)` under Horovod elastic (`tfdist.horovod.elastic`): after a
+        rank is lost, the others restore the last commit to `state`, Horovod restarts
+        with the ranks left, this adapter follows the new size, and `train` runs again."""
+        state = elastic.elastic_state_cls()(self.hvd)
+        return elastic.run(self.hvd, state, lambda: train(state), on_reset=lambda: (
+            state.model is not None and self.on_membership_change(state.model)))
+
     def on_membership_change(self, model: Any) -> None:
         """After Horovod elastic restarted with other ranks: follow the new number of ranks.
 
@@ -225,7 +233,7 @@ class HorovodAdapter(Adapter):
         with tf.init_scope():
             return tuple(resource_variable_ops.ResourceVariable(
                 0.0, trainable=False, name=name) for name in ("tfdist_stop_flag",
-                                                             "tfdist_stop_votes"))
+                                                              "tfdist_stop_votes"))
 
     def finite_reduce_fn(self) -> Callable[[Any], Any]:
         """Finite only if finite on every rank: all ranks skip the same steps."""

@@ -122,5 +122,5 @@ def by_name(name: str) -> Patch:
                    f"{', '.join(patch.name for patch in registered())}")
 
 
-__all__ = ["EXACT_UPDATES", "HOROVOD", "HOROVOD_KERAS", "MULTI_WORKER", "PARAMETER_SERVER", "Patch", "active", "apply", "by_name",
-           "registered", "undo", "undo_all"]
+__all__ = ["EXACT_UPDATES", "HOROVOD", "HOROVOD_KERAS", "MULTI_WORKER", "PARAMETER_SERVER",
+           "Patch", "active", "apply", "by_name", "registered", "undo", "undo_all"]

@@ -195,6 +195,25 @@ def _uses_parameter_servers(model: Any) -> bool:
                       tf.distribute.experimental.ParameterServerStrategy)
 
 
+# tfdist's coordinated loop (an object with `fit`, `evaluate` and `predict`), handed in by
+# the parameter_server adapter (`set_parameter_server_loop`): patches/ imports nothing of
+# tfdist above it.
+_parameter_server_loop: Any = None
+
+
+def set_parameter_server_loop(loop: Any) -> None:
+    """Where the routed `fit`/`evaluate`/`predict` send models built under
+    ParameterServerStrategy.
+
+    Args:
+        loop: An object whose `fit`, `evaluate` and `predict` take (model, Keras's own
+            method, Keras's arguments by name), as
+            `tfdist.adapters.parameter_server.coordinated_fit` does.
+    """
+    global _parameter_server_loop
+    _parameter_server_loop = loop
+
+
 def _routed(name: str) -> Callable[[Callable], Callable]:
     """A replacement for Keras's `fit`/`evaluate`/`predict` that sends models built
     under ParameterServerStrategy to tfdist's coordinated loop."""
@@ -212,9 +231,12 @@ def _routed(name: str) -> Callable[[Callable], Callable]:
             given = dict(signature.bind(self, *args, **kwargs).arguments)
             del given["self"]
             given.update(given.pop("kwargs", {}))
-            from tfdist.adapters.parameter_server import coordinated_fit
-
-            return getattr(coordinated_fit, name)(self, original, **given)
+            if _parameter_server_loop is None:
+                raise RuntimeError(f"model.{name} under ParameterServerStrategy runs in "
+                                   f"tfdist's coordinated loop, which no parameter_server "
+                                   f"Runner has set up in this process; build the model "
+                                   f"under tfdist.Runner(strategy parameter_server).scope()")
+            return getattr(_parameter_server_loop, name)(self, original, **given)
 
         return method
 

@@ -27,10 +27,11 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist.adapters.base import Adapter
+from tfdist.adapters.parameter_server import coordinated_fit
 from tfdist.cluster import ClusterInfo, TFConfigInfo
 from tfdist.config import Config
 from tfdist.errors import ConfigError
-from tfdist.patches import PARAMETER_SERVER
+from tfdist.patches import PARAMETER_SERVER, keras_trainer
 from tfdist.shuffling import EpochShuffle
 
 
@@ -55,6 +56,8 @@ class ParameterServerAdapter(Adapter):
                               f"Received: accumulation_steps={config.accumulation_steps}")
 
     def create_strategy(self) -> tf.distribute.Strategy:
+        # The routed fit/evaluate/predict (this strategy's patches) run this loop.
+        keras_trainer.set_parameter_server_loop(coordinated_fit)
         tf_config = self._tf_config
         spec = tf.train.ClusterSpec({k: list(v) for k, v in tf_config.cluster.items()})
         if tf_config.task_type in ("worker", "ps"):

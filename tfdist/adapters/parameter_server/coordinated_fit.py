@@ -46,6 +46,7 @@ from absl import logging
 
 from tfdist.errors import ClusterError, ConfigError
 
+
 def fit(model: Any, keras_fit: Any, x: Any = None, y: Any = None, batch_size: int | None = None,
         epochs: int = 1, verbose: Any = "auto", callbacks: Any = None,
         validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,

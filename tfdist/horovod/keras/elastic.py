@@ -4,7 +4,7 @@ Horovod's `KerasState` fails on Keras 3 (it calls `optimizer.variables()`, a lis
 in Keras 3), and its `run` recognises a lost peer only in three op names (not the
 grouped allreduce `DistributedOptimizer` uses). Here `KerasState` keeps a Keras 3
 model's and optimizer's variables (and any Python values given to it) in memory
-at each commit, and `run` is `tfdist.elastic.run`, which treats any failed Horovod
+at each commit, and `run` is `tfdist.horovod.elastic.run`, which treats any failed Horovod
 collective as a lost peer. The callbacks are Horovod's own, which are plain Python.
 
 Keras 3 does not let a callback shorten an epoch: after a reset in the middle of
@@ -33,7 +33,7 @@ import horovod.tensorflow as _hvd
 import keras
 from horovod._keras import elastic as _impl
 
-from tfdist import elastic as _elastic
+from tfdist.horovod import elastic as _elastic
 from tfdist.errors import ConfigError
 from tfdist.horovod.collectives import tf_variable
 

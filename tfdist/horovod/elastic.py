@@ -39,8 +39,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist.horovod.collectives import tf_variable as _tf_variable
 from tfdist.checkpointing import TrainingPosition
+from tfdist.horovod.collectives import tf_variable as _tf_variable
 
 
 def elastic_state_cls() -> type:
@@ -138,5 +138,3 @@ def run(hvd: ModuleType, state: Any, train: Callable[[], Any],
         on_reset()
 
     return run_fn(attempt, reset)(state)
-
-
