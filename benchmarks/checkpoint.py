@@ -91,7 +91,7 @@ def step_overhead(strategy_name: str, rounds: int, steps: int, folder: str) -> d
 
 
 def save_milliseconds(folder: str, repeats: int = 10) -> list[float]:
-    from tfdist.checkpointing import CheckpointStore, TrainingPosition
+    from tfdist.resume.checkpointing import CheckpointStore, TrainingPosition
 
     model = build_model()
     optimizer = keras.optimizers.Adam(1e-3)

@@ -99,8 +99,8 @@ class Runner:
                                           precision=self.precision.precision)
         self._adapter = adapter_cls(self.config, self.cluster)
         _warn_if_untrusted_network(self._adapter.server_addresses(), config.trusted_network)
-        self._shuffles: list[Any] = []  # tfdist.shuffling.EpochShuffle
-        self._pipelines: Any = None  # tfdist.shuffling.PipelineReplay, made with a dataset
+        self._shuffles: list[Any] = []  # tfdist.resume.shuffling.EpochShuffle
+        self._pipelines: Any = None  # tfdist.resume.shuffling.PipelineReplay, made with a dataset
         self._elastic_state: Any = None
         _configure_threads(config.threads, default_inter_op=self._adapter.inter_op_threads(),
                            default_intra_op=self._adapter.intra_op_threads())
@@ -203,7 +203,7 @@ class Runner:
 
         A run that resumes gets each epoch's order back either way: this shuffle's
         order is fixed by (seed, epoch), and a seeded `tf.data` shuffle in the
-        source is replayed to the resumed epoch's order (see `tfdist.shuffling`).
+        source is replayed to the resumed epoch's order (see `tfdist.resume.shuffling`).
 
         Args:
             source: An unbatched `tf.data.Dataset`, or a function of
@@ -232,11 +232,11 @@ class Runner:
                 raise ConfigError(f"shuffle_buffer_size must be an integer >= 0 (0: no "
                                   f"shuffle). Received: shuffle_buffer_size="
                                   f"{shuffle_buffer_size!r}")
-            from tfdist.shuffling import EpochShuffle
+            from tfdist.resume.shuffling import EpochShuffle
 
             shuffle = EpochShuffle(shuffle_buffer_size, seed=self.config.seed or 0)
             self._shuffles.append(shuffle)
-        from tfdist.shuffling import PipelineReplay
+        from tfdist.resume.shuffling import PipelineReplay
 
         if self._pipelines is None:
             self._pipelines = PipelineReplay()
@@ -251,7 +251,7 @@ class Runner:
             checkpoint_dir: Where to keep checkpoints for an exact resume, shared by
                 every process. A run started again with the same folder goes on from
                 its newest good checkpoint, at the step after it (see
-                `tfdist.backup.BackupAndRestore`); a SIGTERM to any process makes
+                `tfdist.resume.backup.BackupAndRestore`); a SIGTERM to any process makes
                 every process save at one agreed step and exit with status 143.
                 None: `checkpoint.dir` from the config (empty: no checkpoints).
             save_every_steps: Also save every this many steps (0: at epoch ends
@@ -270,7 +270,7 @@ class Runner:
         directory = options.dir if checkpoint_dir is None else os.fspath(checkpoint_dir)
         if not directory and self._elastic_state is None:
             return self._adapter.callbacks()
-        from tfdist.backup import BackupAndRestore
+        from tfdist.resume.backup import BackupAndRestore
 
         backup = BackupAndRestore(
             directory or None, self._adapter, shuffles=self._shuffles, pipelines=self._pipelines,

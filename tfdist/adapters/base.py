@@ -26,8 +26,8 @@ from tfdist.cluster import ClusterInfo
 from tfdist.config import Config
 from tfdist.errors import ConfigError
 from tfdist.patches import Patch
-from tfdist.preemption import LocalStop, StopAgreement
-from tfdist.shuffling import EpochShuffle
+from tfdist.resume.preemption import LocalStop, StopAgreement
+from tfdist.resume.shuffling import EpochShuffle
 
 DatasetSource = Union[tf.data.Dataset, Callable[[tf.distribute.InputContext], tf.data.Dataset]]
 

@@ -40,9 +40,9 @@ from tfdist.horovod import collectives, elastic
 from tfdist.horovod.collectives import AverageMetrics, BroadcastState
 from tfdist.optimizers import GradientReducingOptimizer
 from tfdist.patches import HOROVOD
-from tfdist.preemption import StopAgreement, VotedStop
+from tfdist.resume.preemption import StopAgreement, VotedStop
 from tfdist.schedules import ScaledWarmup
-from tfdist.shuffling import EpochShuffle
+from tfdist.resume.shuffling import EpochShuffle
 
 
 def import_horovod() -> ModuleType:

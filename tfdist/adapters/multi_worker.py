@@ -28,8 +28,8 @@ from tfdist.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, AutoShard, Communi
 from tfdist.devices import split_cpu
 from tfdist.errors import ConfigError
 from tfdist.patches import MULTI_WORKER, tensorflow_distribute
-from tfdist.preemption import CoordinatedStop, StopAgreement
-from tfdist.shuffling import EpochShuffle
+from tfdist.resume.preemption import CoordinatedStop, StopAgreement
+from tfdist.resume.shuffling import EpochShuffle
 
 # How long a process waits at a barrier for the others: checkpoint reads and writes,
 # whose length depends on storage, happen between barriers, outside the collectives'

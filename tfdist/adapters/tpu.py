@@ -21,7 +21,7 @@ from tfdist.adapters.base import Adapter, DatasetSource
 from tfdist.cluster import ClusterInfo
 from tfdist.config import TPUConfig
 from tfdist.errors import ConfigError
-from tfdist.shuffling import EpochShuffle
+from tfdist.resume.shuffling import EpochShuffle
 
 
 def resolver_arguments(options: TPUConfig, cluster: ClusterInfo) -> dict[str, str | None]:

@@ -17,7 +17,7 @@ single-host runs, not a cluster manager.
 - `--max_restarts R` restarts the whole group up to R times after a failure,
   whatever the failure (a preempted group exits with status 143 after saving), and
   then ends with the status of the last failure.
-- A task that exits with status 143 (`tfdist.preemption.RESTART_EXIT_CODE`: every
+- A task that exits with status 143 (`tfdist.resume.preemption.RESTART_EXIT_CODE`: every
   process saved at one agreed step) gives the others `grace_seconds` to exit by
   themselves; after any other failure they are stopped at once.
 - Ctrl-C or SIGTERM to the launcher sends SIGTERM to every child, which lets tfdist's
@@ -48,7 +48,7 @@ from typing import IO, Iterator, Sequence
 from tfdist.app.quiet import is_tensorflow_log_line
 from tfdist.cluster import child_environment
 from tfdist.errors import ConfigError
-from tfdist.preemption import RESTART_EXIT_CODE
+from tfdist.resume.preemption import RESTART_EXIT_CODE
 
 LOOPBACK = "127.0.0.1"
 # After a failure the survivors cannot finish a step (their peer is gone), so there is

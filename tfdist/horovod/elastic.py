@@ -11,7 +11,7 @@ silently returns None for any other `UnknownError`.
 
 Here, `KerasElasticState` is the Horovod `State` of a Keras 3 model: the model's
 variables, the optimizer's, the metrics' totals and tfdist's training position,
-committed by `tfdist.backup.BackupAndRestore` wherever it would save. After a
+committed by `tfdist.resume.backup.BackupAndRestore` wherever it would save. After a
 reset, the adapter follows the new size (each rank's slice of the global batch,
 the learning-rate multiplier) and `fit` resumes from the commit exactly as it
 would from a checkpoint.
@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist.checkpointing import TrainingPosition
+from tfdist.resume.checkpointing import TrainingPosition
 from tfdist.horovod.collectives import tf_variable as _tf_variable
 
 

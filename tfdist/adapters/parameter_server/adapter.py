@@ -32,7 +32,7 @@ from tfdist.cluster import ClusterInfo, TFConfigInfo
 from tfdist.config import Config
 from tfdist.errors import ConfigError
 from tfdist.patches import PARAMETER_SERVER, keras_trainer
-from tfdist.shuffling import EpochShuffle
+from tfdist.resume.shuffling import EpochShuffle
 
 
 class ParameterServerAdapter(Adapter):

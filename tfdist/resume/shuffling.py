@@ -5,7 +5,7 @@ from a generator inside the process: the k-th pass of a fresh process always
 gets the same order. Keras 3 starts a new pass every epoch, so a run restarted
 at epoch 3 trains epoch 3 on epoch 0's order, and the run is no longer the one
 that was interrupted. `EpochShuffle` seeds each pass with (seed, epoch) instead.
-The epoch is a variable that `tfdist.backup.BackupAndRestore` sets at the start of
+The epoch is a variable that `tfdist.resume.backup.BackupAndRestore` sets at the start of
 every epoch; without that callback, each pass counts one up, as
 `reshuffle_each_iteration` does.
 

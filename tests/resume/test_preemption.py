@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tfdist.preemption import RESTART_EXIT_CODE, LocalStop, PreemptionWatch, VotedStop
+from tfdist.resume.preemption import RESTART_EXIT_CODE, LocalStop, PreemptionWatch, VotedStop
 
 
 def test_sigterm_is_recorded_not_fatal_and_given_back_after():
@@ -41,7 +41,7 @@ def test_no_signal_leaves_the_previous_handler_untouched():
 
 @pytest.mark.multiprocess
 def test_a_process_that_does_not_stop_in_time_exits_with_the_restart_code():
-    code = ("import os, signal, time; from tfdist.preemption import PreemptionWatch; "
+    code = ("import os, signal, time; from tfdist.resume.preemption import PreemptionWatch; "
             "w = PreemptionWatch(grace_seconds=1); w.install(); "
             "os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)")
     started = time.monotonic()

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist import ConfigError
-from tfdist.checkpointing import CheckpointStore, TrainingPosition, checkpoint_number
+from tfdist.resume.checkpointing import CheckpointStore, TrainingPosition, checkpoint_number
 
 
 def store_of(directory, value=0.0, *, is_writer=True, keep=3, shape=(3,)):

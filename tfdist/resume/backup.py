@@ -6,23 +6,23 @@ epoch from its first batch on weights that have already seen those batches. Its
 files are rewritten in place, and every worker of a multi-worker run writes and
 deletes the same folder. This callback restores the exact state instead:
 
-- **What is saved** (one `tf.train.Checkpoint`, see `tfdist.checkpointing`): the
+- **What is saved** (one `tf.train.Checkpoint`, see `tfdist.resume.checkpointing`): the
   model's variables (weights, BatchNormalization statistics, the random-generator
   states of Dropout and other random layers), the optimizer's (slots,
   `iterations`, the loss scale, gradient accumulators and their count), the
   metrics' totals, and the position: epoch, step in the epoch, steps in all.
 - **Where training resumes**: at `on_train_begin` the newest good checkpoint is
   restored. `fit` starts at its epoch; the steps of that epoch already done are
-  skipped, so the data (shuffled by `tfdist.shuffling.EpochShuffle` in the order
+  skipped, so the data (shuffled by `tfdist.resume.shuffling.EpochShuffle` in the order
   of (seed, epoch), or by the pipeline's own seeded shuffle, replayed to the
-  epoch's order by `tfdist.shuffling.PipelineReplay`) goes on from the next batch;
+  epoch's order by `tfdist.resume.shuffling.PipelineReplay`) goes on from the next batch;
   the metrics go on from their saved totals. A finished run restarted trains no
   step.
 - **When it saves**: every `save_every_steps` steps and at the end of every
   epoch; on every process, since saving replicated variables is a collective,
   but only the chief's files remain.
 - **Preemption**: after SIGTERM to any process, every process stops at one
-  agreed step boundary, saves, and exits with status 143 (`tfdist.preemption`).
+  agreed step boundary, saves, and exits with status 143 (`tfdist.resume.preemption`).
 - **Horovod elastic**: with an elastic state (`runner.run_elastic`), the same
   points commit the state in memory, and a `fit` called again after a reset
   resumes from the last commit (`tfdist.horovod.elastic`).
@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import keras
 from absl import logging
 
-from tfdist.checkpointing import (FORMAT_VERSION, CheckpointStore, TrainingPosition,
-                                  checkpoint_number, read_partially)
 from tfdist.errors import ClusterError, ConfigError
-from tfdist.preemption import RESTART_EXIT_CODE, PreemptionWatch, StopAgreement
-from tfdist.shuffling import EpochShuffle, PipelineReplay
+from tfdist.resume.checkpointing import (FORMAT_VERSION, CheckpointStore, TrainingPosition,
+                                         checkpoint_number, read_partially)
+from tfdist.resume.preemption import RESTART_EXIT_CODE, PreemptionWatch, StopAgreement
+from tfdist.resume.shuffling import EpochShuffle, PipelineReplay
 
 if TYPE_CHECKING:
     from tfdist.adapters.base import Adapter

@@ -7,7 +7,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from tfdist.shuffling import EpochShuffle, PipelineReplay
+from tfdist.resume.shuffling import EpochShuffle, PipelineReplay
 
 EXAMPLES = 50
 
@@ -50,7 +50,7 @@ def test_without_set_epoch_each_pass_counts_up_like_reshuffling():
 
 @pytest.mark.multiprocess
 def test_the_order_is_the_same_in_a_new_process_and_depends_on_the_seed():
-    code = ("import tensorflow as tf; from tfdist.shuffling import EpochShuffle, PipelineReplay; "
+    code = ("import tensorflow as tf; from tfdist.resume.shuffling import EpochShuffle; "
             "s = EpochShuffle(50, seed={seed}); d = s.apply(tf.data.Dataset.range(50)); "
             "s.set_epoch(4); print([int(v) for v in d])")
     here = EpochShuffle(EXAMPLES, seed=3)
