@@ -30,8 +30,12 @@ lint: setup
 	$(BIN)/python -m flake8 tfdist tests benchmarks examples scripts
 
 # Everything, as CI runs it: lint first; a missing mpirun or Horovod fails rather than skips.
+# TEST_WORKERS tests at a time (pytest-xdist; a module whose tests share runs stays on one
+# worker), then the few that assert how long something took, alone.
+TEST_WORKERS ?= 3
 test: setup lint
-	$(BIN)/python -m pytest --require-all
+	$(BIN)/python -m pytest --require-all -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
+	$(BIN)/python -m pytest --require-all -m serial
 
 # The unit tier: no process started, nothing trained for long (under 2 minutes).
 test-fast: setup

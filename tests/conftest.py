@@ -33,6 +33,12 @@ def pytest_configure(config):
     # before any test runs lets one_device and 2-replica mirrored tests share a
     # process in any order.
     split_cpu(2)
+    # `make test` runs several tests at once on 2 cores, so ranks often wait for a core.
+    # A waiting Open MPI rank polls without yielding by default, taking the core its
+    # peer needs: 3 Horovod tests side by side took 23.6 s each, and 17.4 s yielding
+    # (tests/adapters/test_horovod.py's fp16 test, 3 copies at once). Every process the
+    # tests start inherits this.
+    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
 def pytest_report_header(config):
@@ -59,6 +65,9 @@ def _missing() -> dict[str, str]:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Tests that start processes first: under pytest-xdist (`make test`) the long ones
+    # start early and the many short in-process ones fill the workers' last minutes.
+    items.sort(key=lambda item: "multiprocess" not in item.keywords)
     missing = _missing()
     for item in items:
         for marker, reason in missing.items():
@@ -67,6 +76,22 @@ def pytest_collection_modifyitems(config, items):
             if marker != "gpu" and config.getoption("--require-all"):
                 raise pytest.UsageError(f"--require-all: {item.nodeid} {reason}")
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def private_tmpdir(monkeypatch):
+    """Each test's processes get a temporary folder of their own (TMPDIR).
+
+    Tests run side by side: Open MPI's session folders, Keras's and tfdist's scratch
+    folders and anything a test counts there stay apart. Short (Open MPI puts Unix
+    sockets there, whose paths have a 108-byte limit); removed after the test.
+    """
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="tfdist-test-")
+    monkeypatch.setenv("TMPDIR", folder)
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,10 @@ import pytest
 
 from tests.conftest import REPO, last_json_line, run_command
 
+# One pytest-xdist worker runs this module: the report's tests read the very runs the
+# smoke tests made (`benchmark_line`), rather than running every benchmark again.
+pytestmark = pytest.mark.xdist_group("benchmarks")
+
 needs_horovod = [pytest.mark.requires_mpi, pytest.mark.requires_horovod]
 QUICK_SYNC_COST = ["--repeats", "1", "--models", "0.1", "--fit_mb", "0.03125", "--fit_mb", "0.25",
                    "--packed_mb", "0.5"]

@@ -73,6 +73,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.serial
 @pytest.mark.multiprocess
 def test_a_failing_worker_stops_the_group_fast_and_leaves_no_orphans(tmp_path):
     marker = uuid.uuid4().hex

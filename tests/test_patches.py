@@ -114,6 +114,22 @@ def test_group_helpers_apply_and_undo_by_strategy():
         patches.by_name("keras.nothing")
 
 
+@pytest.mark.parametrize("first", ["horovod_keras", "multi_worker"])
+def test_two_patches_of_one_attribute_undo_in_either_order_they_were_applied(first):
+    # Keras's _maybe_symbolic_build has a patch in HOROVOD_KERAS and one in MULTI_WORKER:
+    # undoing them by definition order failed whenever the later-defined one went in first.
+    groups = {"horovod_keras": patches.HOROVOD_KERAS, "multi_worker": patches.MULTI_WORKER}
+    second = "multi_worker" if first == "horovod_keras" else "horovod_keras"
+    installed = _state(keras_trainer.MULTI_WORKER_SYMBOLIC_BUILD)
+    patches.apply(groups[first])
+    patches.apply(groups[second])
+    both = {keras_trainer.MULTI_WORKER_SYMBOLIC_BUILD.name,
+            keras_trainer.HOROVOD_BUILD_BEFORE_CALLBACKS.name}
+    assert both <= set(patches.active())
+    assert both <= set(patches.undo_all())
+    assert patches.active() == [] and _state(keras_trainer.MULTI_WORKER_SYMBOLIC_BUILD) == installed
+
+
 @pytest.mark.multiprocess
 def test_importing_tfdist_applies_nothing(tmp_path):
     code = ("import inspect, tfdist; from tfdist import patches; "

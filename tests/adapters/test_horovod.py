@@ -11,6 +11,9 @@ import tfdist
 from tfdist.cluster import detect_cluster
 from tests.conftest import REPO, TFDIST, last_json_line, mpirun, run_command
 
+# One pytest-xdist worker runs this module, so the `trained` runs are made once.
+pytestmark = pytest.mark.xdist_group("adapters_horovod")
+
 
 SCRIPT = str(REPO / "tests" / "scripts" / "horovod_training.py")
 TOLERANCE = 1e-5

@@ -133,6 +133,7 @@ def test_a_worker_killed_mid_training_leaves_fit_to_finish(tmp_path):
     assert run["history"]["loss"][-1] < run["history"]["loss"][0]
 
 
+@pytest.mark.serial
 @pytest.mark.multiprocess
 def test_a_killed_parameter_server_ends_training_with_one_clear_error(tmp_path):
     pid_dir = tmp_path / "pids"

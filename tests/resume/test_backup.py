@@ -25,6 +25,10 @@ import pytest
 
 from tests.conftest import REPO, TFDIST, mpirun, run_command
 
+# One pytest-xdist worker runs this module: its uninterrupted reference runs (the
+# `reference` fixture) are made once, not once per worker.
+pytestmark = pytest.mark.xdist_group("resume_backup")
+
 SCRIPT = str(REPO / "tests" / "scripts" / "resumable_training.py")
 HOROVODRUN = str(REPO / ".venv" / "bin" / "horovodrun")
 STEPS, EPOCHS = 12, 3
@@ -148,9 +152,8 @@ def reference(tmp_path_factory):
 
 
 def scratch_folders():
-    import tempfile
-
-    return {path.name for path in Path(tempfile.gettempdir()).glob("tfdist-not-chief-*")}
+    # The processes' temporary folder: this test's own (conftest's private_tmpdir).
+    return {path.name for path in Path(os.environ["TMPDIR"]).glob("tfdist-not-chief-*")}
 
 
 # --- crashes ------------------------------------------------------------------------------

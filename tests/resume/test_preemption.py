@@ -39,6 +39,7 @@ def test_no_signal_leaves_the_previous_handler_untouched():
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.serial
 @pytest.mark.multiprocess
 def test_a_process_that_does_not_stop_in_time_exits_with_the_restart_code():
     code = ("import os, signal, time; from tfdist.resume.preemption import PreemptionWatch; "

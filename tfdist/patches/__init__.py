@@ -91,12 +91,18 @@ def apply(patches: Iterable[Patch]) -> list[str]:
 
 
 def undo(patches: Iterable[Patch]) -> list[str]:
-    """Undoes each patch that is applied, last first.
+    """Undoes each patch that is applied, the one applied last first.
+
+    Two patches of one attribute (Keras's `_maybe_symbolic_build` has two) stack in the
+    order they were applied, whatever order the tuples list them in; undoing in the
+    reverse of that order puts back exactly what was installed.
 
     Returns:
         The names undone by this call.
     """
-    return [patch.name for patch in reversed(list(patches)) if patch.undo()]
+    applied = sorted((patch for patch in patches if patch.active),
+                     key=lambda patch: patch.application, reverse=True)
+    return [patch.name for patch in applied if patch.undo()]
 
 
 def undo_all() -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import threading
 from typing import Any, Callable, Iterator
 
@@ -26,6 +27,9 @@ from typing import Any, Callable, Iterator
 # touch too (Keras's trainer holds three of them).
 _lock = threading.RLock()
 _registry: dict[str, "Patch"] = {}
+# Counts applications: two patches of one attribute stack, and only the one applied
+# last can be undone first (`undo` sorts by it).
+_applications = itertools.count()
 
 
 class Patch:
@@ -65,6 +69,7 @@ class Patch:
         # While applied: (owner, original, whether the owner held the attribute itself,
         # the replacement installed).
         self._applied: tuple[Any, Any, bool, Any] | None = None
+        self._application = -1  # When it was last applied: see `application`.
         # Held for the whole of `applied()`: a temporary patch belongs to one caller.
         self._scope_lock = threading.Lock()
         _registry[name] = self
@@ -112,7 +117,13 @@ class Patch:
             owned = self.attribute in vars(owner)
             setattr(owner, self.attribute, replacement)
             self._applied = (owner, original, owned, replacement)
+            self._application = next(_applications)
             return True
+
+    @property
+    def application(self) -> int:
+        """Increases with each `apply` of any patch: the undo order, last first."""
+        return self._application
 
     def undo(self) -> bool:
         """Puts back what was there before `apply`.
