@@ -65,9 +65,13 @@ def _missing() -> dict[str, str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    # Tests that start processes first: under pytest-xdist (`make test`) the long ones
-    # start early and the many short in-process ones fill the workers' last minutes.
-    items.sort(key=lambda item: "multiprocess" not in item.keywords)
+    # Modules that start processes first: under pytest-xdist (`make test`) the long tests
+    # start early and the many short in-process ones fill the workers' last minutes. Each
+    # module stays in one piece, in its own order: a module-scoped fixture (a run several
+    # tests read) is torn down as soon as the next test is from another module.
+    starts_processes = {item.module.__name__ for item in items
+                        if "multiprocess" in item.keywords or "benchmark" in item.keywords}
+    items.sort(key=lambda item: item.module.__name__ not in starts_processes)
     missing = _missing()
     for item in items:
         for marker, reason in missing.items():
