@@ -13,8 +13,11 @@ with an uninterrupted run of the same configuration:
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,10 +27,6 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, TFDIST, mpirun, run_command
-
-# One pytest-xdist worker runs this module: its uninterrupted reference runs (the
-# `reference` fixture) are made once, not once per worker.
-pytestmark = pytest.mark.xdist_group("resume_backup")
 
 SCRIPT = str(REPO / "tests" / "scripts" / "resumable_training.py")
 HOROVODRUN = str(REPO / ".venv" / "bin" / "horovodrun")
@@ -131,22 +130,29 @@ def assert_same_training(run, reference, tasks, tolerance, updates=STEPS * EPOCH
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """reference(strategy, *args): the folder of an uninterrupted run (made once)."""
-    made: dict[tuple, Path] = {}
+    """reference(strategy, *args): the folder of an uninterrupted run, made once per
+    session, even when pytest-xdist spreads this module's tests over several workers."""
+    base = tmp_path_factory.getbasetemp()
+    # Each xdist worker has a base of its own inside the session's; the runs go there.
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
     def get(strategy, *args, launcher="mpirun"):
-        key = (strategy, launcher, *args)
-        if key not in made:
-            out = tmp_path_factory.mktemp(f"reference-{strategy}")
-            command = script(out, strategy, *args)
-            if strategy in ("one_device", "mirrored"):
-                run_command(command, cwd=out, timeout=120).check_returncode()
-            elif strategy == "horovod":
-                horovod(out, launcher, *command)
-            else:
-                launch(out, *command)
-            made[key] = out
-        return made[key]
+        key = hashlib.sha1(json.dumps([strategy, launcher, *args]).encode()).hexdigest()[:10]
+        out = shared / f"reference-{strategy}-{key}"
+        with open(shared / f"{out.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # a worker needing the same run waits for it
+            if not (out / "made").exists():
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir()
+                command = script(out, strategy, *args)
+                if strategy in ("one_device", "mirrored"):
+                    run_command(command, cwd=out, timeout=120).check_returncode()
+                elif strategy == "horovod":
+                    horovod(out, launcher, *command)
+                else:
+                    launch(out, *command)
+                (out / "made").write_text("")
+        return out
 
     return get
 
