@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml scripts/setup.sh scripts/install_horovod.sh
 	touch $@
 
 demo: setup
-	$(BIN)/tfdist train --config strategies/mirrored.yaml $(DEMO_FLAGS)
+	$(BIN)/tfdist train --config mirrored $(DEMO_FLAGS)
 
 # Style (flake8, configured in setup.cfg) over everything Python in the repository.
 lint: setup

@@ -1,7 +1,7 @@
 """Your own Keras model, your own model.fit, under any tfdist strategy: copy this file.
 
     python examples/keras_fit.py --strategy one_device
-    python examples/keras_fit.py --config strategies/mirrored.yaml --set mirrored.cpu_replicas=2
+    python examples/keras_fit.py --config mirrored --set mirrored.cpu_replicas=2
     python examples/keras_fit.py --strategy mirrored --precision mixed_bfloat16 --epochs 5
     tfdist launch -n 2 -- python examples/keras_fit.py --strategy multi_worker
     tfdist launch -n 2 --ps 1 -- python examples/keras_fit.py --strategy parameter_server

@@ -17,7 +17,7 @@ CONTRACT_KEYS = {"strategy", "replicas", "precision", "accumulation_steps", "epo
 @pytest.mark.multiprocess
 def test_train_as_make_demo_runs_it(tmp_path):
     # As a user runs it: TF_CPP_MIN_LOG_LEVEL unset.
-    result = run_command([TFDIST, "train", f"--config={REPO / 'strategies/mirrored.yaml'}",
+    result = run_command([TFDIST, "train", "--config=mirrored",
                           "--set", "mirrored.cpu_replicas=2", "--set", "train.epochs=3",
                           "--set", "train.output_dir=out"], cwd=tmp_path,
                          env={"TF_CPP_MIN_LOG_LEVEL": None})
@@ -99,6 +99,7 @@ def test_env_reads_the_launcher_environment(tmp_path):
 @pytest.mark.parametrize("args, status, fragment", [
     ([], 2, "usage: tfdist COMMAND"),
     (["--help"], 0, "usage: tfdist COMMAND"),
+    (["--version"], 0, f"tfdist {tfdist.__version__}\n"),
     (["fly"], 2, "tfdist: error: unknown command 'fly'"),
     (["train", "extra"], 2, "takes flags only"),
 ])

@@ -7,8 +7,8 @@ import yaml
 
 from tfdist.config import (Config, CrossDeviceOps, Precision, Strategy, config_keys,
                            field_help, load_config)
+from tfdist import presets
 from tfdist.errors import ConfigError
-from tests.conftest import REPO
 
 
 def test_defaults():
@@ -77,15 +77,40 @@ def test_yaml_round_trip():
     assert load_config(overrides=yaml.safe_load(config.to_yaml())) == config
 
 
-@pytest.mark.parametrize("preset", sorted((REPO / "strategies").glob("*.yaml")),
-                         ids=lambda path: path.stem)
-def test_every_preset_loads_and_names_its_strategy(preset):
+@pytest.mark.parametrize("preset", presets.names())
+def test_every_preset_loads_by_name_from_any_folder(preset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     config = load_config(preset)
-    assert config.strategy.value == preset.stem
+    assert config.strategy.value == preset
+    assert load_config(presets.path(preset)) == config
 
 
 def test_one_preset_per_strategy():
-    assert {p.stem for p in (REPO / "strategies").glob("*.yaml")} == {s.value for s in Strategy}
+    assert set(presets.names()) == {s.value for s in Strategy}
+
+
+def test_a_file_here_wins_over_a_preset_of_the_same_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mirrored").write_text("strategy: one_device\n")
+    assert load_config("mirrored").strategy is Strategy.ONE_DEVICE
+    with pytest.raises(ConfigError, match=r"^config file not found: mirrorred; pass the path "
+                       r"of a YAML file or a preset's name \(auto, horovod, mirrored, "):
+        load_config("mirrorred")
+
+
+@pytest.mark.parametrize("typed, expected", [("1e-3", 0.001), ("2.5E+4", 25000.0), (".5", 0.5),
+                                             ("3", 3.0)])
+def test_a_number_in_exponent_form_is_a_number_as_people_type_it(typed, expected):
+    assert yaml.safe_load("1e-3") == "1e-3"  # YAML 1.1: a string without a dot
+    assert load_config(overrides={"train.learning_rate": typed}).train.learning_rate == expected
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), ".inf"])
+def test_a_number_that_is_not_finite_is_one_line(value):
+    value = yaml.safe_load(value) if isinstance(value, str) else value
+    with pytest.raises(ConfigError, match=r"^train.learning_rate must be a finite number. "
+                                          r"Received: train.learning_rate=(inf|-inf|nan)$"):
+        load_config(overrides={"train.learning_rate": value})
 
 
 def test_unknown_key_suggests_the_closest_across_sections():

@@ -4,7 +4,7 @@ Example:
 
     import keras, tfdist
 
-    runner = tfdist.Runner(tfdist.load_config("strategies/mirrored.yaml"))
+    runner = tfdist.Runner(tfdist.load_config("mirrored"))
     with runner.scope():
         model = build_model()
         model.compile(optimizer=runner.optimizer(keras.optimizers.Adam(1e-3)),

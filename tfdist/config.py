@@ -12,7 +12,7 @@ and ends with what was received.
 
 Example:
 
-    config = load_config("strategies/mirrored.yaml",
+    config = load_config("mirrored",
                          overrides={"precision": "bf16", "mirrored.cpu_replicas": 2})
     config.precision          # Precision.MIXED_BFLOAT16
     config.mirrored.cpu_replicas  # 2
@@ -23,13 +23,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import os
+import re
 import types
 import typing
 from typing import Any, Mapping
 
 import yaml
 
+from tfdist import presets
 from tfdist.choices import (AutoShard, Communication, Compression, CrossDeviceOps, DatasetName,
                             OptimizerName, Precision, Reduction, Strategy, parse_enum)
 from tfdist.errors import ConfigError
@@ -263,7 +266,8 @@ def load_config(path: str | os.PathLike | None = None,
     """Builds a validated, frozen `Config`: defaults, then the file, then overrides.
 
     Args:
-        path: A YAML file whose keys mirror `Config` (sections are nested mappings).
+        path: A YAML file whose keys mirror `Config` (sections are nested mappings), or
+            the name of a preset that ships with tfdist ("mirrored": `tfdist.presets`).
             None: start from the defaults.
         overrides: Values that win over the file. Keys may be dotted to reach a nested
             field (`"mirrored.cpu_replicas": 2`) or name a whole section.
@@ -281,7 +285,7 @@ def load_config(path: str | os.PathLike | None = None,
     """
     data: dict[str, Any] = {}
     if path is not None:
-        data = _read_yaml(path)
+        data = _read_yaml(_preset_or_path(path))
     if overrides:
         data = _deep_merge(data, _expand_dotted(overrides))
     return _coerce(data, Config, "")
@@ -310,6 +314,10 @@ def field_help(key: str) -> str:
 # --- conversion -------------------------------------------------------------------------
 
 
+# A number as people write it: 3, 0.5, .5, 1e-3, 2.5E+4.
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Converts one value to the field's declared type, or raises a one-line ConfigError."""
     origin = typing.get_origin(hint)
@@ -333,7 +341,12 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return value
         return _wrong_type(key, value, "an integer")
     if hint is float:
+        if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+            # YAML 1.1 reads 1e-3 (no dot) as a string; everyone types it.
+            value = float(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{key} must be a finite number. Received: {key}={value!r}")
             return float(value)
         return _wrong_type(key, value, "a number")
     if hint is str:
@@ -478,13 +491,21 @@ def check_precision_supported(strategy: Strategy, precision: Precision | None) -
 # --- files and overrides ------------------------------------------------------------------
 
 
+def _preset_or_path(path: str | os.PathLike) -> str | os.PathLike:
+    """A preset's file for a bare preset name that is not a file here; else `path`."""
+    text = os.fspath(path)
+    if os.path.exists(text) or os.sep in text or text.endswith((".yaml", ".yml")):
+        return path
+    return presets.path(text) or path
+
+
 def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as stream:
             data = yaml.safe_load(stream)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {os.fspath(path)}; pass the path of a YAML "
-                          f"file (presets are in strategies/). "
+                          f"file or a preset's name ({', '.join(presets.names())}). "
                           f"Received: path={os.fspath(path)!r}") from None
     except IsADirectoryError:
         raise ConfigError(f"config path is a directory: {os.fspath(path)}; pass a YAML file. "

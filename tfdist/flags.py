@@ -2,7 +2,7 @@
 
 Importing this module defines, on absl's global `FLAGS`:
 
-    --config FILE              a YAML config (presets are in strategies/)
+    --config FILE|PRESET       a YAML config, or a preset: mirrored, multi_worker, ...
     --strategy NAME            strategy
     --precision NAME           precision
     --accumulation_steps N     accumulation_steps
@@ -38,7 +38,8 @@ from tfdist.config import Config, field_help, load_config
 from tfdist.errors import ConfigError
 
 # Strings, not DEFINE_enum: the config resolves names and aliases in one place.
-CONFIG = flags.DEFINE_string("config", None, "YAML config file; presets are in strategies/.")
+CONFIG = flags.DEFINE_string("config", None, "A YAML config file, or a preset's name: auto, "
+                             "horovod, mirrored, multi_worker, one_device, parameter_server, tpu.")
 STRATEGY = flags.DEFINE_string("strategy", None, field_help("strategy"))
 PRECISION = flags.DEFINE_string("precision", None, field_help("precision"))
 ACCUMULATION_STEPS = flags.DEFINE_integer("accumulation_steps", None,

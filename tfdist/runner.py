@@ -6,7 +6,7 @@ the callbacks that make that loop right under the chosen strategy.
 
 Example:
 
-    runner = tfdist.Runner(tfdist.load_config("strategies/mirrored.yaml"))
+    runner = tfdist.Runner(tfdist.load_config("mirrored"))
     with runner.scope():
         model = build_model()
         model.compile(optimizer=runner.optimizer(keras.optimizers.Adam(1e-3)),

@@ -56,7 +56,7 @@ def test_tpu_precision_defaults_to_bfloat16_and_refuses_float16():
     tpu = ClusterInfo(tpu=TpuInfo("local", "TPU VM"))
     assert resolve_precision(None, strategy=Strategy.TPU, cluster=tpu).precision is \
         Precision.MIXED_BFLOAT16
-    assert load_config("strategies/tpu.yaml").precision is Precision.MIXED_BFLOAT16
+    assert load_config("tpu").precision is Precision.MIXED_BFLOAT16
     with pytest.raises(ConfigError, match="mixed_float16 does not run on TPU"):
         load_config(overrides={"strategy": "tpu", "precision": "mixed_float16"})
 

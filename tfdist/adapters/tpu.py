@@ -7,7 +7,7 @@ Precision defaults to mixed_bfloat16, the TPU's native compute type.
 
 Example:
 
-    config = tfdist.load_config("strategies/tpu.yaml", overrides={"tpu.name": "my-tpu"})
+    config = tfdist.load_config("tpu", overrides={"tpu.name": "my-tpu"})
     runner = tfdist.Runner(config)
 """
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from absl import app, flags, logging
 
+import tfdist
 from tfdist import flags as tfdist_flags
 from tfdist.app import quiet
 from tfdist.cluster import set_default_environment
@@ -40,7 +41,8 @@ commands:
           tfdist launch -n 2 -- tfdist train --strategy multi_worker
   env     print what tfdist detects here: versions, devices, cluster, what auto chooses
 
-Run 'tfdist COMMAND --help' for a command's flags; --verbose shows TensorFlow's own log."""
+Run 'tfdist COMMAND --help' for a command's flags; --verbose shows TensorFlow's own log;
+'tfdist --version' prints tfdist's version."""
 
 # TensorFlow's C++ log below ERROR (INFO and WARNING lines at start-up and in input
 # pipelines) is hidden unless the user asks for it.
@@ -63,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
         print(_USAGE)
         sys.exit(0 if len(argv) >= 2 else 2)
+    if argv[1] in ("--version", "version"):
+        print(f"tfdist {tfdist.__version__}")
+        sys.exit(0)
     command, rest = argv[1], argv[2:]
     own = rest[:rest.index("--")] if "--" in rest else rest
     if "--verbose" in own:

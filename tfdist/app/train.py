@@ -4,7 +4,7 @@
 
 Example:
 
-    result = run(load_config("strategies/mirrored.yaml", overrides={"train.epochs": 2}))
+    result = run(load_config("mirrored", overrides={"train.epochs": 2}))
     result["accuracy"], result["examples_per_sec"]
 """
 
