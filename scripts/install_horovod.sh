@@ -3,6 +3,7 @@
 # installs the cached wheel in seconds.
 #
 #   scripts/install_horovod.sh                               # CPU: MPI and Gloo
+#   HOROVOD_PYTHON=/path/to/env/bin/python scripts/install_horovod.sh   # another environment
 #   HOROVOD_GPU_OPERATIONS=NCCL scripts/install_horovod.sh   # GPU machine with CUDA and NCCL
 #
 # Why a build of our own: 0.28.1 (June 2023) is Horovod's last release, and against
@@ -14,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 HOROVOD_VERSION=0.28.1
-PY=.venv/bin/python
+PY="${HOROVOD_PYTHON:-.venv/bin/python}"
 GPU_OPERATIONS="${HOROVOD_GPU_OPERATIONS:-}"
 
 check='import horovod, horovod.tensorflow as hvd, sys

@@ -177,6 +177,8 @@ def test_interrupting_the_launcher_stops_every_child(signum, started_ignoring_si
     (["-n", "two", "--", "true"], "flag --num_workers=two"),
     (["--ps", "-1", "-n", "1", "--", "true"], "--ps must be an integer >= 0"),
     (["-n", "1", "stray", "--", "true"], "unexpected: stray"),
+    (["-n", "2", "--", "nosuchcmd"], "tfdist launch: command not found: nosuchcmd; give a "
+                                     "program on PATH or a path to an executable file"),
 ])
 @pytest.mark.multiprocess
 def test_bad_input(args, fragment, tmp_path):

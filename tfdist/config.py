@@ -37,8 +37,8 @@ from tfdist.choices import (AutoShard, Communication, Compression, CrossDeviceOp
                             OptimizerName, Precision, Reduction, Strategy, parse_enum)
 from tfdist.errors import ConfigError
 
-__all__ = ["AutoShard", "CheckpointConfig", "Communication", "Compression", "Config",
-           "CrossDeviceOps", "DEFAULT_COLLECTIVE_TIMEOUT_SECONDS", "DatasetName",
+__all__ = ["AutoShard", "CheckpointConfig", "ClusterConfig", "Communication", "Compression",
+           "Config", "CrossDeviceOps", "DEFAULT_COLLECTIVE_TIMEOUT_SECONDS", "DatasetName",
            "HorovodConfig", "MirroredConfig", "MultiWorkerConfig", "OneDeviceConfig",
            "OptimizerName", "ParameterServerConfig", "Precision", "Reduction", "Strategy",
            "TPUConfig", "ThreadsConfig", "TrainConfig", "check_precision_supported",
@@ -180,6 +180,16 @@ class ThreadsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """How the processes of a multi-process run find each other."""
+
+    startup_timeout_seconds: float = _field(
+        300.0, "How long a task waits at start-up for every other task to answer before it "
+               "stops with a line naming those that never did (pods being scheduled, images "
+               "being pulled: minutes, not seconds).")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The main job run by `tfdist train`; the Runner itself does not read it."""
 
@@ -211,6 +221,7 @@ class Config:
         one_device, mirrored, multi_worker, tpu, horovod, parameter_server: Options of
             those strategies.
         checkpoint: Checkpoints for an exact resume, and what a SIGTERM does.
+        cluster: How the processes of a multi-process run find each other.
         trusted_network: Silence the warning about TensorFlow's unauthenticated servers.
         threads: TensorFlow's thread pools.
         train: The main job's settings (`tfdist train`).
@@ -240,6 +251,7 @@ class Config:
                                                      "Options of parameter_server.")
     checkpoint: CheckpointConfig = _field(CheckpointConfig(),
                                           "Checkpoints, resume and preemption.")
+    cluster: ClusterConfig = _field(ClusterConfig(), "How the processes find each other.")
     trusted_network: bool = _field(
         False, "The cluster's network admits only trusted machines: silences the warning that "
                "TensorFlow's gRPC servers accept unauthenticated connections.")
@@ -429,6 +441,8 @@ def _validate(config: Config) -> None:
             multi_worker.cpu_replicas, "an integer >= 0 (replicas per worker on the CPU)")
     require(multi_worker.timeout_seconds >= 0, "multi_worker.timeout_seconds",
             multi_worker.timeout_seconds, "a number of seconds >= 0 (0: no timeout)")
+    require(config.cluster.startup_timeout_seconds > 0, "cluster.startup_timeout_seconds",
+            config.cluster.startup_timeout_seconds, "a number of seconds > 0")
     require(0 <= multi_worker.task_index < max(1, len(multi_worker.workers)),
             "multi_worker.task_index", multi_worker.task_index,
             f"an index into multi_worker.workers (0 to {max(0, len(multi_worker.workers) - 1)})")

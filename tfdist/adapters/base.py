@@ -47,10 +47,15 @@ class Adapter(abc.ABC):
     # Patches in place only while `create_strategy` builds the strategy (listed by
     # `tfdist env`; `create_strategy` applies them with `patch.applied()`).
     patches_while_building: tuple[Patch, ...] = ()
+    # Whether the strategy trains in a single process; such a strategy is refused in a
+    # process a launcher started as one of several (`check_single_process`).
+    single_process: bool = False
 
     def __init__(self, config: Config, cluster: ClusterInfo):
         self.config = config
         self.cluster = cluster
+        if self.single_process:
+            check_single_process(config.strategy.value, cluster)
 
     @abc.abstractmethod
     def create_strategy(self) -> tf.distribute.Strategy:
@@ -243,6 +248,34 @@ def check_global_batch_size(global_batch_size: Any, replicas: int) -> None:
                           f"{replicas} replicas; use a multiple of {replicas} (e.g. {nearest}). "
                           f"Received: global_batch_size={global_batch_size}, "
                           f"replicas={replicas}")
+
+
+def check_single_process(strategy: str, cluster: ClusterInfo) -> None:
+    """Refuses a one-process strategy in one of several processes a launcher started.
+
+    Each process would train on its own and write the same files: `tfdist launch -n 2`,
+    `mpirun -np 2` or `srun -n 2` around `--strategy mirrored` is a mistake to stop at once.
+
+    Args:
+        strategy: The strategy's name, for the message.
+        cluster: Where this process runs.
+
+    Raises:
+        ConfigError: this process is one of several.
+    """
+    tf_config, mpi, slurm = cluster.tf_config, cluster.mpi, cluster.slurm
+    tasks = sum(len(addresses) for addresses in tf_config.cluster.values()) if tf_config else 1
+    if tasks > 1:
+        why, use = f"TF_CONFIG makes this process one of {tasks} tasks", "multi_worker"
+    elif mpi is not None and mpi.size > 1:
+        why, use = f"{mpi.launcher} started {mpi.size} ranks", "horovod"
+    elif slurm is not None and slurm.num_tasks > 1:
+        why, use = f"Slurm started {slurm.num_tasks} tasks", "multi_worker"
+    else:
+        return
+    raise ConfigError(f"strategy {strategy} trains in one process, but {why}: each would train "
+                      f"alone and overwrite the others' files. Use --strategy {use} (or auto), "
+                      f"or start one process. Received: strategy={strategy}, {why}")
 
 
 def check_device(device: str, cluster: ClusterInfo, key: str) -> str:

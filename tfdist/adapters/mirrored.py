@@ -24,6 +24,8 @@ from tfdist.patches import tensorflow_distribute
 class MirroredAdapter(Adapter):
     """`tf.distribute.MirroredStrategy` over configured, detected or logical CPU devices."""
 
+    single_process = True
+
     patches_while_building = (tensorflow_distribute.MIRRORED_COLLECTIVE_KEYS,)
 
     def create_strategy(self) -> tf.distribute.Strategy:

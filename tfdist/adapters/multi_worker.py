@@ -30,6 +30,7 @@ from tfdist.errors import ConfigError
 from tfdist.patches import MULTI_WORKER, tensorflow_distribute
 from tfdist.resume.preemption import CoordinatedStop, StopAgreement
 from tfdist.resume.shuffling import EpochShuffle
+from tfdist.startup import wait_for_peers
 
 # How long a process waits at a barrier for the others: checkpoint reads and writes,
 # whose length depends on storage, happen between barriers, outside the collectives'
@@ -59,6 +60,13 @@ class MultiWorkerAdapter(Adapter):
     def create_strategy(self) -> tf.distribute.Strategy:
         resolver = self._cluster_resolver()
         options = self.config.multi_worker
+        tasks = self._task_addresses(resolver)
+        own = (resolver.task_type, resolver.task_id)
+        # Before TensorFlow's own start-up, which blocks deaf to signals until all are there.
+        wait_for_peers(tasks[own], {f"{kind}:{index}": address
+                                    for (kind, index), address in tasks.items() if
+                                    (kind, index) != own},
+                       self.config.cluster.startup_timeout_seconds)
         if not options.timeout_seconds and self._expected_workers() > 1:
             logging.warning("tfdist: multi_worker.timeout_seconds=0: a worker that is stuck "
                             "(alive but not training) leaves every other worker waiting in "
@@ -178,6 +186,13 @@ class MultiWorkerAdapter(Adapter):
             return self.cluster.slurm.worker_addresses(options.slurm_port_base)
         return []
 
+    @staticmethod
+    def _task_addresses(resolver: Any) -> dict[tuple[str, int], str]:
+        """(task type, index) of every training process to its `host:port`."""
+        spec = resolver.cluster_spec().as_dict()
+        return {(task_type, index): address for task_type in ("chief", "worker")
+                for index, address in enumerate(spec.get(task_type, ()))}
+
     def _worker_tasks(self) -> list[tuple[str, int]]:
         """(task type, index) of every training process, the chief first."""
         spec = self.strategy.cluster_resolver.cluster_spec().as_dict()
@@ -204,6 +219,13 @@ class MultiWorkerAdapter(Adapter):
                 num_accelerators=accelerators, rpc_layer="grpc")
         tf_config = self.cluster.tf_config
         if tf_config is not None:
+            if "ps" in tf_config.cluster:
+                raise ConfigError(f"strategy multi_worker trains on chief and worker tasks "
+                                  f"only, and TF_CONFIG names "
+                                  f"{len(tf_config.cluster['ps'])} ps tasks, which would wait "
+                                  f"for ever: use --strategy parameter_server (or auto), or "
+                                  f"drop the ps tasks (tfdist launch without --ps). "
+                                  f"Received: cluster with {', '.join(sorted(tf_config.cluster))}")
             if tf_config.task_type not in ("chief", "worker"):
                 raise ConfigError(f"multi_worker runs on chief and worker tasks; TF_CONFIG makes "
                                   f"this process a '{tf_config.task_type}'. Use "

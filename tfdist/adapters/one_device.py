@@ -18,6 +18,8 @@ from tfdist.adapters.base import Adapter, check_device
 class OneDeviceAdapter(Adapter):
     """Trains on `one_device.device`, or on the first GPU, or on the CPU."""
 
+    single_process = True
+
     def create_strategy(self) -> tf.distribute.Strategy:
         device = self.config.one_device.device or ("/gpu:0" if self.cluster.gpus else "/cpu:0")
         return tf.distribute.OneDeviceStrategy(

@@ -118,6 +118,9 @@ def _one_line_errors(command):
             logging.set_verbosity(logging.WARNING)
         try:
             command()
+        except KeyboardInterrupt:
+            _fail("interrupted (Ctrl-C); a run with a checkpoint folder resumes from its last "
+                  "checkpoint when started again", status=130)
         except ConfigError as error:
             _fail(str(error))
         except ClusterError as error:

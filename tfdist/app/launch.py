@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,7 +132,7 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
         launcher.
 
     Raises:
-        ConfigError: bad counts or an empty command.
+        ConfigError: bad counts, or an empty command or one that is not found.
     """
     if not command:
         raise ConfigError("tfdist launch needs a command after '--', such as "
@@ -141,6 +142,10 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
         if value < lowest:
             raise ConfigError(f"tfdist launch {name} must be an integer >= {lowest}. "
                               f"Received: {name} {value}")
+    if shutil.which(command[0]) is None:
+        raise ConfigError(f"tfdist launch: command not found: {command[0]}; give a program on "
+                          f"PATH or a path to an executable file. Received: "
+                          f"{' '.join(command)}")
     output = sys.stdout if output is None else output
     status, interrupted = 1, _Interruption()
     with _signals_set(interrupted):

@@ -33,6 +33,7 @@ from tfdist.config import Config
 from tfdist.errors import ConfigError
 from tfdist.patches import PARAMETER_SERVER, keras_trainer
 from tfdist.resume.shuffling import EpochShuffle
+from tfdist.startup import wait_for_peers
 
 
 class ParameterServerAdapter(Adapter):
@@ -62,6 +63,12 @@ class ParameterServerAdapter(Adapter):
         spec = tf.train.ClusterSpec({k: list(v) for k, v in tf_config.cluster.items()})
         if tf_config.task_type in ("worker", "ps"):
             _serve(spec, tf_config.task_type, tf_config.task_index, self.inter_op_threads())
+        # The chief reaches every server first: TensorFlow's connection to a task that
+        # never starts blocks, deaf to signals (see tfdist.startup).
+        wait_for_peers(tf_config.cluster["chief"][0],
+                       {f"{kind}:{index}": address for kind in ("worker", "ps")
+                        for index, address in enumerate(tf_config.cluster[kind])},
+                       self.config.cluster.startup_timeout_seconds, listen=False)
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             spec, task_type=tf_config.task_type, task_id=tf_config.task_index, rpc_layer="grpc")
         strategy = tf.distribute.ParameterServerStrategy(
