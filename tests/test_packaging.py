@@ -18,9 +18,8 @@ def installed(tmp_path_factory):
     come from this environment's site-packages, added as a plain path (so this
     environment's editable tfdist is not seen there)."""
     root = tmp_path_factory.mktemp("wheel")
-    built = run_command([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                         "--no-build-isolation", "-w", str(root / "dist"), str(REPO)],
-                        cwd=root, timeout=300)
+    built = run_command([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w",
+                         str(root / "dist"), str(REPO)], cwd=root, timeout=300)
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     (wheel,) = (root / "dist").glob("tfdist-*.whl")
     env = root / "env"

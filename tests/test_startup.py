@@ -116,8 +116,9 @@ def start_worker(tmp_path, addresses, index, *extra):
     process = subprocess.Popen(
         [TFDIST, "train", "--strategy", "multi_worker", "--set", "train.epochs=1", *extra],
         cwd=tmp_path, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-        env={**os.environ, "TF_CONFIG": tf_config(addresses, index),
-             "TF_CPP_MIN_LOG_LEVEL": "2"},
+        # As a user runs it: no TF_CPP_MIN_LOG_LEVEL, so tfdist hides TensorFlow's log.
+        env={**{name: value for name, value in os.environ.items()
+                if name != "TF_CPP_MIN_LOG_LEVEL"}, "TF_CONFIG": tf_config(addresses, index)},
         # As at a terminal: Ctrl-C raises KeyboardInterrupt (a test runner may ignore SIGINT).
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out.close()
@@ -210,7 +211,7 @@ def test_a_one_process_strategy_under_mpirun_is_refused_by_every_rank(tmp_path):
     assert len(errors) == 2
     for path in errors:
         assert path.read_text().strip().splitlines()[-1] == (
-            "tfdist: error: strategy one_device trains in one process, but mpirun started 2 "
+            "tfdist: error: strategy one_device trains in one process, but openmpi started 2 "
             "ranks: each would train alone and overwrite the others' files. Use --strategy "
-            "horovod (or auto), or start one process. Received: strategy=one_device, mpirun "
+            "horovod (or auto), or start one process. Received: strategy=one_device, openmpi "
             "started 2 ranks")
