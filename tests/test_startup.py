@@ -105,6 +105,14 @@ def test_a_one_process_strategy_in_one_of_several_processes_is_refused(strategy,
         f"Received: strategy={strategy}, {why}")
 
 
+def test_a_side_car_evaluator_of_a_cluster_may_evaluate_on_one_device():
+    evaluator = parse_tf_config(json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:2"]},
+                                            "task": {"type": "evaluator", "index": 0}}))
+    runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device"}),
+                           cluster=ClusterInfo(tf_config=evaluator))
+    assert runner.num_replicas == 1
+
+
 # --- real processes ------------------------------------------------------------------------
 
 

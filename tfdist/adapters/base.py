@@ -264,6 +264,8 @@ def check_single_process(strategy: str, cluster: ClusterInfo) -> None:
         ConfigError: this process is one of several.
     """
     tf_config, mpi, slurm = cluster.tf_config, cluster.mpi, cluster.slurm
+    if tf_config is not None and tf_config.task_type == "evaluator":
+        return  # A side-car evaluator runs beside the cluster, alone (TensorFlow's own role).
     tasks = sum(len(addresses) for addresses in tf_config.cluster.values()) if tf_config else 1
     if tasks > 1:
         why, use = f"TF_CONFIG makes this process one of {tasks} tasks", "multi_worker"
