@@ -171,6 +171,16 @@ def test_train_with_a_checkpoint_dir_resumes_and_a_finished_run_trains_no_step(t
     assert (before["epochs_trained"], after["epochs_trained"]) == (2, 0)
     assert after["final_loss"] is None and after["checkpoint_dir"] == "ckpt"
     assert after["accuracy"] == before["accuracy"]  # the restored weights, evaluated
+    assert "finished all 2 epochs: nothing to train" in again.stderr
+    # Another run in the same folder (fewer epochs, another rate) is refused in one line.
+    other = run_command([*command, "--set", "train.epochs=1", "--set",
+                         "train.learning_rate=1e-2"], cwd=tmp_path)
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines() == [
+        "tfdist: error: checkpoint folder ckpt holds another run: epochs: 2 -> 1 (fewer); "
+        "optimizer.learning_rate: 0.001 -> 0.01. Start fresh with another checkpoint folder "
+        "(or delete this one), or resume it anyway with checkpoint.resume_changed=true. "
+        "Received: checkpoint_dir='ckpt'"]
 
 
 @pytest.mark.parametrize("error, words", [

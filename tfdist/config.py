@@ -167,6 +167,10 @@ class CheckpointConfig:
     grace_seconds: float = _field(
         25.0, "After SIGTERM, every process saves at one agreed step and exits with status "
               "143; a process still running this long after the signal exits without saving.")
+    resume_changed: bool = _field(
+        False, "Resume a checkpoint folder even though the run differs from the one that made "
+               "it (another model, optimizer setting, batch, or fewer epochs); without it such "
+               "a run stops with one line naming the differences.")
 
 
 @dataclasses.dataclass(frozen=True)

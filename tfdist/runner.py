@@ -277,7 +277,10 @@ class Runner:
             save_every_steps=(options.save_every_steps if save_every_steps is None
                               else save_every_steps),
             keep=options.keep if keep is None else keep, grace_seconds=options.grace_seconds,
-            elastic_state=self._elastic_state)
+            elastic_state=self._elastic_state,
+            settings={"accumulation_steps": self.config.accumulation_steps,
+                      "precision": self.precision.name, "seed": self.config.seed},
+            resume_changed=options.resume_changed)
         return [backup, *self._adapter.callbacks()]
 
     def run_elastic(self, train: Any) -> Any:

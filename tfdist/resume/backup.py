@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import keras
 from absl import logging
@@ -47,6 +47,7 @@ from tfdist.errors import ClusterError, ConfigError
 from tfdist.resume.checkpointing import (FORMAT_VERSION, CheckpointStore, TrainingPosition,
                                          checkpoint_number, read_partially)
 from tfdist.resume.preemption import RESTART_EXIT_CODE, PreemptionWatch, StopAgreement
+from tfdist.resume.run_identity import differences, identity, read_identity, record_identity
 from tfdist.resume.shuffling import EpochShuffle, PipelineReplay
 
 if TYPE_CHECKING:
@@ -89,7 +90,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def __init__(self, directory: str | None, adapter: "Adapter", *,
                  shuffles: Sequence[EpochShuffle] = (), pipelines: PipelineReplay | None = None,
                  save_every_steps: int = 0,
-                 keep: int = 3, grace_seconds: float = 25.0, elastic_state: Any = None):
+                 keep: int = 3, grace_seconds: float = 25.0, elastic_state: Any = None,
+                 settings: Mapping[str, Any] | None = None, resume_changed: bool = False):
         super().__init__()
         if not directory and elastic_state is None:
             raise ConfigError("checkpoint_dir must name a folder. "
@@ -99,6 +101,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 raise ConfigError(f"{name} must be an integer >= {lowest}. "
                                   f"Received: {name}={value!r}")
         self.directory = str(directory) if directory else None
+        self._settings = dict(settings or {})
+        self._resume_changed = resume_changed
         self.save_every_steps = save_every_steps
         self.keep = keep
         self._adapter = adapter
@@ -132,6 +136,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._elastic is not None and self._elastic.has_commit:
             self._resume_from_commit()
         elif self._store is not None:
+            self._check_same_run()
             self._resume_from_checkpoint()
         self._saved_variables = [variable for group in objects.values()
                                  for variable in _variables_of(group)]
@@ -232,6 +237,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._put_back_metrics = put_back
         self._resume(f"resuming from {path}")
 
+    def _check_same_run(self) -> None:
+        """Refuses to resume a folder another run made; records this run's identity."""
+        directory = self.directory
+        current = identity(self.model, self.params, self._settings)
+        recorded = read_identity(directory)
+        changes = differences(recorded, current) if self._store.candidates() else []
+        if changes and not self._resume_changed:
+            raise ConfigError(f"checkpoint folder {directory} holds another run: "
+                              f"{'; '.join(changes)}. Start fresh with another checkpoint "
+                              f"folder (or delete this one), or resume it anyway with "
+                              f"checkpoint.resume_changed=true. "
+                              f"Received: checkpoint_dir={directory!r}")
+        if changes:
+            _say(f"resuming {directory} although the run changed "
+                 f"(checkpoint.resume_changed): {'; '.join(changes)}")
+        if self._adapter.is_chief and recorded != current:
+            record_identity(directory, current)
+
     def _resume_from_commit(self) -> None:
         """After a Horovod elastic reset: the commit is restored and broadcast already."""
         self._position.reload()
@@ -258,6 +281,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resume_epoch, self._skip = position.epoch, position.step
         self.model._initial_epoch = position.epoch
         _say(f"{how}: {position.describe()}")
+        epochs = self.params.get("epochs") if self.params else None
+        if isinstance(epochs, int) and position.epoch >= epochs:
+            _say(f"the run in {self.directory} finished all {position.epoch} epochs: nothing "
+                 f"to train. Ask for more epochs to train it longer, or use another "
+                 f"checkpoint folder to start a new run")
         if position.epoch or position.step:
             notice = self._pipelines.unreproducible()
             if notice and self._adapter.is_chief:
