@@ -326,8 +326,9 @@ def test_sigterm_to_one_worker_stops_both_at_one_step_and_resumes(signalled, ref
                          TASKS["multi_worker"], ACROSS_PROCESSES)
     assert [list(folder.iterdir()) for folder in folders] == [[], []]
     assert not scratch_folders() - scratch
+    # Only the checkpoints and the run's record (run.json); no one's temporary files.
     assert {path.suffix or path.name for path in (tmp_path / "ckpt").iterdir()} == {
-        "checkpoint", ".index", ".data-00000-of-00001"}
+        "checkpoint", ".index", ".data-00000-of-00001", ".json"}
 
 
 @pytest.mark.requires_mpi
