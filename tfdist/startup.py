@@ -4,7 +4,8 @@ TensorFlow's multi-worker start-up (`MultiWorkerMirroredStrategy`'s constructor)
 in C++ until every task has registered, holding Python's global lock and with its own
 SIGTERM handler in place: a worker that never starts (a typo in TF_CONFIG, a pod not yet
 scheduled) leaves the others silent for as long as the job is allowed to run, deaf to
-SIGTERM and Ctrl-C. So tfdist first meets its peers itself, in Python: each task listens
+SIGTERM and Ctrl-C (users meet it as tensorflow/tensorflow#46931 and #57372, closed
+without a fix). So tfdist first meets its peers itself, in Python: each task listens
 on its own address and connects to every other task's, until all have answered or
 `cluster.startup_timeout_seconds` have passed. Only then does TensorFlow start, with
 every peer known to be up. Meanwhile SIGTERM and Ctrl-C end the process as usual.
