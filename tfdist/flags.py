@@ -34,12 +34,13 @@ from typing import Any
 import yaml
 from absl import flags
 
+from tfdist import presets
 from tfdist.config import Config, field_help, load_config
 from tfdist.errors import ConfigError
 
 # Strings, not DEFINE_enum: the config resolves names and aliases in one place.
-CONFIG = flags.DEFINE_string("config", None, "A YAML config file, or a preset's name: auto, "
-                             "horovod, mirrored, multi_worker, one_device, parameter_server, tpu.")
+CONFIG = flags.DEFINE_string("config", None, f"A YAML config file, or a preset's name: "
+                             f"{', '.join(presets.names())}.")
 STRATEGY = flags.DEFINE_string("strategy", None, field_help("strategy"))
 PRECISION = flags.DEFINE_string("precision", None, field_help("precision"))
 ACCUMULATION_STEPS = flags.DEFINE_integer("accumulation_steps", None,

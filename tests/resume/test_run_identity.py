@@ -87,3 +87,22 @@ def test_differences_ignore_more_epochs_and_name_each_setting():
     assert differences(None, before) == []
     assert differences(before, {**before, "optimizer": {"class": "SGD"}, "seed": 2}) == [
         "optimizer.beta_1: 0.9 -> null", "optimizer.class: Adam -> SGD", "seed: 1 -> 2"]
+
+
+def test_a_model_built_on_its_first_batch_records_its_built_variables(tmp_path):
+    # No Input layer: Keras builds the model in fit, before the callbacks start.
+    def fit(epochs):
+        keras.backend.clear_session(free_memory=False)
+        runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device"}))
+        data = runner.dataset(tf.data.Dataset.from_tensor_slices(
+            (np.ones((32, 3), "float32"), np.zeros((32,), "int32"))), 8)
+        with runner.scope():
+            model = keras.Sequential([keras.layers.Embedding(10, 4), keras.layers.Dense(1)])
+            model.compile(runner.optimizer("sgd"), "mse")
+        return model.fit(data, epochs=epochs, verbose=0,
+                         callbacks=runner.callbacks(checkpoint_dir=tmp_path)).epoch
+
+    assert fit(1) == [0]
+    recorded = json.loads((tmp_path / RUN_FILE).read_text())["model"]
+    assert recorded[0].startswith("sequential/embedding/embeddings [10, 4]") and len(recorded) == 3
+    assert fit(2) == [1]

@@ -195,9 +195,7 @@ class MultiWorkerAdapter(Adapter):
 
     def _worker_tasks(self) -> list[tuple[str, int]]:
         """(task type, index) of every training process, the chief first."""
-        spec = self.strategy.cluster_resolver.cluster_spec().as_dict()
-        return [(task_type, index) for task_type in ("chief", "worker")
-                for index in range(len(spec.get(task_type, ())))]
+        return list(self._task_addresses(self.strategy.cluster_resolver))
 
     def _expected_workers(self) -> int:
         options = self.config.multi_worker
