@@ -16,14 +16,21 @@ from the step after its newest checkpoint. The chief prints a JSON line at the e
 """
 
 import json
+import sys
 
-import keras
-import numpy as np
-import tensorflow as tf
-from absl import app, flags
+import tfdist.quiet
 
-import tfdist
-from tfdist import flags as tfdist_flags  # noqa: F401  (defines tfdist's flags)
+# First, before TensorFlow loads: its C++ start-up and input-pipeline log lines stay off
+# the console, as under `tfdist train` (TF_CPP_MIN_LOG_LEVEL=0 shows them).
+tfdist.quiet.start_quietly()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+
+import tfdist  # noqa: E402
+from tfdist import flags as tfdist_flags  # noqa: E402, F401  (defines tfdist's flags)
 
 _EPOCHS = flags.DEFINE_integer("epochs", 3, "Passes over the training data.")
 _GLOBAL_BATCH_SIZE = flags.DEFINE_integer("global_batch_size", 64,
@@ -57,10 +64,14 @@ def build_model() -> keras.Model:
 
 def main(argv):
     del argv  # Unused: everything comes in through flags.
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # absl's app.run shows INFO; --verbosity=0 does
     try:
         runner = tfdist.Runner.from_flags()
     except tfdist.ConfigError as error:
         raise app.UsageError(str(error)) from None
+    if runner.is_chief:
+        print(runner.summary(), file=sys.stderr, flush=True)
 
     with runner.scope():
         model = build_model()

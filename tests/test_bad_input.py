@@ -11,11 +11,13 @@ import json
 import re
 from typing import Callable
 
+import keras
 import pytest
 import tensorflow as tf
 
 import tfdist
 from tfdist.cluster import detect_cluster
+from tfdist.files import writable_folder
 from tests.conftest import TFDIST, run_command
 
 TWO_REPLICAS = {"strategy": "mirrored", "mirrored.cpu_replicas": 2}
@@ -29,10 +31,19 @@ def runner(overrides, env=None):
     return tfdist.Runner(tfdist.load_config(overrides=overrides), cluster=cluster)
 
 
+def fit_model_made_outside_the_scope(directory):
+    run = runner(TWO_REPLICAS)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])  # outside
+    with run.scope():
+        model.compile(optimizer=run.optimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    examples = tf.data.Dataset.from_tensor_slices((tf.ones((32, 4)), tf.ones((32, 2))))
+    model.fit(run.dataset(examples, 16), epochs=1, verbose=0, callbacks=run.callbacks())
+
+
 @dataclasses.dataclass
 class Case:
     name: str
-    cli: list[str]                      # flags after `tfdist train`
+    cli: list[str] | None               # flags after `tfdist train`; None: Python only
     python: Callable | None             # called with tmp_path; must raise ConfigError
     expect: str                         # a fragment of the one-line message
     env: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -115,8 +126,26 @@ CASES = [
          "names /gpu:3, but this machine has 0 GPU(s)"),
     Case("batch does not divide across replicas",
          [*TWO_REPLICA_FLAGS, "--set", "train.global_batch_size=63"],
-         lambda d: runner(TWO_REPLICAS).dataset(tf.data.Dataset.range(10), 63),
+         lambda d: runner(TWO_REPLICAS).dataset(tf.data.Dataset.range(100), 63),
          "global_batch_size 63 does not divide across 2 replicas; use a multiple of 2"),
+    Case("a learning rate that is not finite", ["--set", "train.learning_rate=.inf"],
+         lambda d: tfdist.load_config(overrides={"train.learning_rate": float("inf")}),
+         "train.learning_rate must be a finite number"),
+    Case("a global batch larger than the data", ["--set", "train.global_batch_size=100000"],
+         lambda d: runner({"strategy": "one_device"}).dataset(tf.data.Dataset.range(100), 1000),
+         "fewer than one global batch of"),
+    Case("a dataset batched already (Python only)", None,
+         lambda d: runner({"strategy": "one_device"}).dataset(
+             tf.data.Dataset.range(100).batch(10).prefetch(2), 10),
+         "this dataset is batched already (its .batch())"),
+    Case("an output folder that cannot be written", ["--set", "train.output_dir=/proc/nope"],
+         lambda d: writable_folder("/proc/nope", "train.output_dir"),
+         "train.output_dir /proc/nope is not a folder this process can write in"),
+    Case("a checkpoint folder that cannot be written", ["--checkpoint_dir=/proc/nope"],
+         lambda d: runner({"strategy": "one_device"}).callbacks(checkpoint_dir="/proc/nope"),
+         "checkpoint_dir /proc/nope is not a folder this process can write in"),
+    Case("a model made outside runner.scope() (Python only)", None,
+         fit_model_made_outside_the_scope, "the model was created outside runner.scope()"),
     Case("malformed --set (CLI only)", ["--set", "epochs"], None, "--set expects KEY=VALUE"),
     Case("unknown flag (CLI only)", ["--strategyy=mirrored"], None,
          "Unknown command line flag 'strategyy'"),
@@ -144,7 +173,7 @@ def test_python_raises_one_line_config_error(case, tmp_path):
     assert "Received" in message or "found no TPU" in message or "YAML" in message
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in CASES if c.cli is not None], ids=lambda c: c.name)
 @pytest.mark.multiprocess
 def test_cli_exits_2_with_one_error_line(case, tmp_path):
     _write_files(case, tmp_path)

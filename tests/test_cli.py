@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 import tfdist
-from tfdist.app.quiet import is_tensorflow_log_line
+from tfdist.quiet import is_tensorflow_log_line
 from tests.conftest import REPO, TFDIST, last_json_line, run_command
 
 CONTRACT_KEYS = {"strategy", "replicas", "precision", "accumulation_steps", "epochs",
@@ -62,7 +62,7 @@ def test_train_auto_with_bfloat16(tmp_path):
 
 @pytest.mark.multiprocess
 def test_env_reports_versions_devices_and_the_auto_choice(tmp_path):
-    result = run_command([TFDIST, "env"], cwd=tmp_path)
+    result = run_command([TFDIST, "env", "--json"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["versions"]["tensorflow"].startswith("2.21")
@@ -90,10 +90,26 @@ def test_env_reports_versions_devices_and_the_auto_choice(tmp_path):
 def test_env_reads_the_launcher_environment(tmp_path):
     tf_config = {"cluster": {"worker": ["localhost:1", "localhost:2"]},
                  "task": {"type": "worker", "index": 1}}
-    result = run_command([TFDIST, "env"], cwd=tmp_path, env={"TF_CONFIG": json.dumps(tf_config)})
+    result = run_command([TFDIST, "env", "--json"], cwd=tmp_path,
+                         env={"TF_CONFIG": json.dumps(tf_config)})
     report = json.loads(result.stdout)
     assert report["cluster"]["tf_config"]["task_index"] == 1
     assert report["auto"]["strategy"] == "multi_worker"
+
+
+@pytest.mark.multiprocess
+def test_env_without_json_is_a_short_summary_for_a_person(tmp_path):
+    tf_config = {"cluster": {"worker": ["localhost:1", "localhost:2"]},
+                 "task": {"type": "worker", "index": 1}}
+    result = run_command([TFDIST, "env"], cwd=tmp_path, env={"TF_CONFIG": json.dumps(tf_config)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) <= 12
+    assert lines[0].startswith(f"tfdist {tfdist.__version__}, Python ")
+    assert "TensorFlow 2.21" in lines[0]
+    assert "cluster     TF_CONFIG: worker:1 of 2 tasks" in lines
+    assert "auto        strategy multi_worker (TF_CONFIG names 2 workers)" in lines
+    assert lines[-1] == "the full report, as JSON: tfdist env --json"
 
 
 @pytest.mark.parametrize("args, status, fragment", [
@@ -121,12 +137,19 @@ def test_train_help_lists_tfdist_flags(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_example_script_trains_a_users_model(tmp_path):
-    # BatchNormalization, Dropout, validation_data and evaluate, under 2 replicas.
+def test_example_script_trains_a_users_model_quietly(tmp_path):
+    # BatchNormalization, Dropout, validation_data and evaluate, under 2 replicas; with no
+    # TF_CPP_MIN_LOG_LEVEL set, as a user runs it: no TensorFlow or absl log line, as under
+    # `tfdist train`, but the same summary line.
     result = run_command([sys.executable, str(REPO / "examples" / "keras_fit.py"),
                           "--strategy=mirrored", "--set", "mirrored.cpu_replicas=2",
-                          "--epochs=2"], cwd=tmp_path)
+                          "--epochs=2"], cwd=tmp_path, env={"TF_CPP_MIN_LOG_LEVEL": None})
     assert result.returncode == 0, result.stderr[-3000:]
+    logged = [line for line in (result.stdout + result.stderr).splitlines()
+              if is_tensorflow_log_line(line)]
+    assert logged == []
+    assert result.stderr.splitlines()[0] == ("tfdist: strategy mirrored (2 replicas; requested), "
+                                             "precision float32 (the default)")
     summary = last_json_line(result.stdout)
     assert summary["replicas"] == 2
     assert summary["val_accuracy"] > 0.5  # 4 classes: better than chance

@@ -56,6 +56,6 @@ def test_collectives_under_horovodrun(controller, tmp_path):
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
 def test_tfdist_env_reports_the_build(tmp_path):
-    report = json.loads(run_command([TFDIST, "env"], cwd=tmp_path).stdout)
+    report = json.loads(run_command([TFDIST, "env", "--json"], cwd=tmp_path).stdout)
     assert report["horovod"] == {"installed": True, "version": "0.28.1", "mpi": True,
                                  "gloo": True, "nccl": False}

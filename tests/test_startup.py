@@ -13,7 +13,7 @@ import pytest
 
 import tfdist
 from tfdist.app.launch import free_ports, task_output
-from tfdist.app.quiet import is_tensorflow_log_line
+from tfdist.quiet import is_tensorflow_log_line
 from tfdist.cluster import ClusterInfo, MpiInfo, SlurmInfo, parse_tf_config
 from tfdist.errors import ClusterError, ConfigError
 from tfdist.startup import wait_for_peers

@@ -1,4 +1,5 @@
-"""Keras callbacks tfdist adds to `model.fit`.
+"""Keras callbacks tfdist adds to `model.fit`: throughput, and the check that the model
+belongs to the run's strategy.
 
 Example:
 
@@ -11,8 +12,37 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import keras
+
+from tfdist.errors import ConfigError
+
+
+class StrategyScopeCheck(keras.callbacks.Callback):
+    """Stops `fit` before its first step when the model was made outside `runner.scope()`.
+
+    Keras ties a model to the strategy in scope when the model object is created,
+    and builds its variables under that one. Made outside the scope, a model trains
+    on one device beside the others' idle replicas (one_device, Horovod: the default
+    device, not the rank's), or fails inside the first step with a bare
+    `AssertionError` (mirrored).
+
+    Args:
+        strategy: The run's `tf.distribute.Strategy` (`runner.strategy`).
+    """
+
+    def __init__(self, strategy: Any):
+        super().__init__()
+        self.strategy = strategy
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if self.model.distribute_strategy is not self.strategy:
+            raise ConfigError(
+                f"the model was created outside runner.scope(), so it is not distributed "
+                f"by the run's strategy; create (and compile) it inside `with runner.scope():`. "
+                f"Received: a model under {type(self.model.distribute_strategy).__name__}, "
+                f"the run's strategy is {type(self.strategy).__name__}")
 
 
 class Throughput(keras.callbacks.Callback):

@@ -8,6 +8,7 @@ engine gives a process:
 - Slurm: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_JOB_NODELIST`.
 - MPI: Open MPI's `OMPI_COMM_WORLD_*`, MPICH's `PMI_*`, or `horovodrun`'s `HOROVOD_*`.
 - TPU: `TPU_NAME`, Colab's `COLAB_TPU_ADDR`, or a TPU VM's `/dev/accel*`.
+- `tfdist supervise`: `TFDIST_SUPERVISOR_FOLDER`, where training processes register.
 
 Example:
 
@@ -413,6 +414,24 @@ def _physical_gpus() -> tuple[GpuInfo, ...]:
         gpus.append(GpuInfo(name=details.get("device_name", device.name),
                             compute_capability=details.get("compute_capability")))
     return tuple(gpus)
+
+
+# Set by `tfdist supervise` for the launcher it runs, and so for every rank on its host.
+SUPERVISOR_FOLDER_VARIABLE = "TFDIST_SUPERVISOR_FOLDER"
+
+
+def supervisor_folder(environ: Mapping[str, str] | None = None) -> str | None:
+    """The folder where this host's `tfdist supervise` reads its training processes, or None.
+
+    Args:
+        environ: The variables to read. None: this process's environment.
+
+    Example:
+
+        supervisor_folder({"TFDIST_SUPERVISOR_FOLDER": "/tmp/tfdist-supervise-x"})
+    """
+    env = os.environ if environ is None else environ
+    return env.get(SUPERVISOR_FOLDER_VARIABLE) or None
 
 
 def child_environment(extra: Mapping[str, str]) -> dict[str, str]:

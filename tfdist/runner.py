@@ -30,8 +30,9 @@ from absl import logging
 from tfdist import patches, registry
 from tfdist.cluster import ClusterInfo, beyond_loopback, detect_cluster
 from tfdist.config import Config, Strategy, ThreadsConfig, load_config
+from tfdist.dataset_checks import check_source
 from tfdist.errors import ConfigError
-from tfdist.files import atomic_write_text
+from tfdist.files import atomic_write_text, writable_folder
 from tfdist.precision import PrecisionPolicy, resolve_precision
 
 
@@ -110,6 +111,19 @@ class Runner:
             keras.utils.set_random_seed(config.seed)
         self.strategy = self._adapter.strategy
         logging.info("tfdist: patches active: %s", ", ".join(patches.active()) or "none")
+
+    def summary(self) -> str:
+        """One line: the strategy, its replicas and why, the precision and why.
+
+        Example:
+
+            print(runner.summary(), file=sys.stderr)
+            # tfdist: strategy mirrored (2 replicas; requested), precision float32 (the default)
+        """
+        replicas = f"{self.num_replicas} replica{'' if self.num_replicas == 1 else 's'}"
+        return (f"tfdist: strategy {self.strategy_name.value} ({replicas}; "
+                f"{self.strategy_reason}), precision {self.precision.name} "
+                f"({self.precision.reason})")
 
     @classmethod
     def from_flags(cls, flag_values: Any = None) -> "Runner":
@@ -222,9 +236,11 @@ class Runner:
             What to pass to `model.fit`, `model.evaluate` or `model.predict`.
 
         Raises:
-            ConfigError: the batch does not divide across replicas, or the source is
-                not a dataset.
+            ConfigError: the batch does not divide across replicas; the source is not a
+                dataset, is batched already, or holds less than one global batch (with
+                `drop_remainder`): see `tfdist.dataset_checks`.
         """
+        check_source(source, global_batch_size, drop_remainder)
         shuffle = None
         if shuffle_buffer_size:
             if (not isinstance(shuffle_buffer_size, int) or isinstance(shuffle_buffer_size, bool)
@@ -259,7 +275,9 @@ class Runner:
             keep: Checkpoints kept. None: `checkpoint.keep`.
 
         Returns:
-            The callbacks, the checkpoint's first (it restores before the others start).
+            The callbacks: first the check that the model was created under
+            `runner.scope()` (`tfdist.callbacks.StrategyScopeCheck`), then the
+            checkpoint's (it restores before the others start).
 
         Example:
 
@@ -268,10 +286,15 @@ class Runner:
         """
         options = self.config.checkpoint
         directory = options.dir if checkpoint_dir is None else os.fspath(checkpoint_dir)
+        from tfdist.callbacks import StrategyScopeCheck
+
+        scope_check = StrategyScopeCheck(self.strategy)
         if not directory and self._elastic_state is None:
-            return self._adapter.callbacks()
+            return [scope_check, *self._adapter.callbacks()]
         from tfdist.resume.backup import BackupAndRestore
 
+        if directory and self.is_chief:
+            writable_folder(directory, "checkpoint_dir")  # Now, not at the first save.
         backup = BackupAndRestore(
             directory or None, self._adapter, shuffles=self._shuffles, pipelines=self._pipelines,
             save_every_steps=(options.save_every_steps if save_every_steps is None
@@ -281,7 +304,7 @@ class Runner:
             settings={"accumulation_steps": self.config.accumulation_steps,
                       "precision": self.precision.name, "seed": self.config.seed},
             resume_changed=options.resume_changed)
-        return [backup, *self._adapter.callbacks()]
+        return [scope_check, backup, *self._adapter.callbacks()]
 
     def run_elastic(self, train: Any) -> Any:
         """Runs `train()` under Horovod elastic: it goes on with the ranks left when one is lost.

@@ -1,5 +1,7 @@
 """multi_worker under Keras 3 model.fit, with real local processes started by tfdist launch."""
 
+import os
+import subprocess
 import sys
 
 import keras
@@ -50,8 +52,14 @@ def one_device_weights(optimizer):
 
 @pytest.mark.multiprocess
 def test_launch_train_multi_worker_reports_two_replicas(tmp_path):
-    result = launch([TFDIST, "train", "--strategy=multi_worker", "--set", "train.epochs=2"],
-                    tmp_path)
+    # Bytes, decoded as they are: text mode would turn the progress bar's "\r" into "\n".
+    process = subprocess.run([TFDIST, "launch", "-n", "2", "--", TFDIST, "train",
+                              "--strategy=multi_worker", "--set", "train.epochs=2"],
+                             cwd=tmp_path, capture_output=True, timeout=90,
+                             stdin=subprocess.DEVNULL,
+                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    result = subprocess.CompletedProcess(process.args, process.returncode,
+                                         process.stdout.decode(), process.stderr.decode())
     assert result.returncode == 0, result.stdout[-3000:]
     summary = chief_json(result.stdout)
     assert summary["strategy"] == "multi_worker"
@@ -59,6 +67,11 @@ def test_launch_train_multi_worker_reports_two_replicas(tmp_path):
     assert summary["accuracy"] > 0.8
     assert not any(line.startswith("[worker:1] {") for line in result.stdout.splitlines())
     assert (tmp_path / "tfdist_output" / "config.yaml").exists()  # written once, by the chief
+    # The chief's progress bar: one updating line per epoch on a terminal (each line as
+    # its last rewrite after "\r"), not one line per refresh.
+    shown = [line.rsplit("\r", 1)[-1] for line in result.stdout.split("\n")]
+    bars = [line for line in shown if line.startswith("[worker:0] ") and "/step" in line]
+    assert len(bars) == 2, shown
 
 
 @pytest.mark.parametrize("cpu_replicas, optimizer, replicas, bytes_per_pack", [

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -26,10 +27,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, TFDIST, mpirun, run_command
+from tests.conftest import REPO, TFDIST, launcher_command, run_command
 
 SCRIPT = str(REPO / "tests" / "scripts" / "resumable_training.py")
-HOROVODRUN = str(REPO / ".venv" / "bin" / "horovodrun")
 STEPS, EPOCHS = 12, 3
 IN_PROCESS, ACROSS_PROCESSES = 1e-6, 1e-5
 TASKS = {"one_device": ["main"], "mirrored": ["main"], "multi_worker": ["worker0", "worker1"],
@@ -60,14 +60,19 @@ def launch(out, *args, workers=2, ps=0, restarts=0, expect=0, timeout=150):
     return result
 
 
-def horovod(out, launcher, *args, expect=0):
-    """Two ranks under mpirun or horovodrun --gloo."""
-    if launcher == "mpirun":
-        command = mpirun(*args)
-    else:
-        command = [HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", *args]
+def horovod(out, launcher, *args, expect=0, supervised=False):
+    """Two ranks under mpirun or horovodrun --gloo; with `supervised`, under `tfdist
+    supervise`, whose status is asserted exactly (the launchers' own is 1 for most
+    failures)."""
+    command = launcher_command(launcher, *args)
+    if supervised:
+        command = [TFDIST, "supervise", "--", *command]
     result = run_command(command, cwd=out, timeout=120)
-    assert (result.returncode == 0) == (expect == 0), (result.stdout + result.stderr)[-4000:]
+    output = (result.stdout + result.stderr)[-4000:]
+    if supervised:
+        assert result.returncode == expect, output
+    else:
+        assert (result.returncode == 0) == (expect == 0), output
     return result
 
 
@@ -342,13 +347,54 @@ def test_sigterm_then_a_crash_mid_cycle_under_horovod_resume_exactly(launcher, r
     # vote rides with the next update, so both ranks stop at step 6 and save. Second start:
     # rank 0 is killed at step 4 of epoch 3; the last save, at its step 3, is in the middle
     # of a cycle, with each rank's half of that cycle's gradients (saved summed).
+    # The first start is under `tfdist supervise`: the ranks' 143 is its status, where
+    # horovodrun --gloo itself exits with 1.
     command = script(tmp_path, "horovod", "--accumulation_steps", "2", "--save_every", "3",
                      "--sigterm", "rank1@1:4", "--kill", "rank0@2:4")
-    horovod(tmp_path, launcher, *command, expect=143)
+    horovod(tmp_path, launcher, *command, expect=143, supervised=True)
     horovod(tmp_path, launcher, *command, expect=137)
     horovod(tmp_path, launcher, *command)
     for task in TASKS["horovod"]:
         assert first_steps(tmp_path, task) == [(0, 1), (1, 7), (2, 4)]
+    assert_same_training(tmp_path, reference("horovod", "--accumulation_steps", "2"),
+                         TASKS["horovod"], ACROSS_PROCESSES)
+
+
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+@pytest.mark.multiprocess
+def test_sigterm_to_tfdist_supervise_lets_the_ranks_save_and_exits_143(launcher, reference,
+                                                                       tmp_path):
+    # What a scheduler does to a Horovod job: SIGTERM to its first process. mpirun would
+    # kill the ranks a second later and exit 1; horovodrun --gloo gives them 5 s and exits
+    # 1. tfdist supervise passes the signal to the ranks instead. The signal comes while
+    # rank 0 stalls (3 s, in Python) after step 4 of epoch 2: both ranks stop together
+    # at a later step, save, and the rerun resumes exactly.
+    command = script(tmp_path, "horovod", "--accumulation_steps", "2",
+                     "--stall_at", "rank0@1:4:3")
+    supervised = [TFDIST, "supervise", "--", *launcher_command(launcher, *command)]
+    with open(tmp_path / "supervise.log", "w") as log:
+        process = subprocess.Popen(supervised, cwd=tmp_path, stdout=log,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        try:
+            deadline = time.monotonic() + 90
+            while not (tmp_path / "stalled-rank0.json").exists():
+                assert process.poll() is None and time.monotonic() < deadline, \
+                    (tmp_path / "supervise.log").read_text()[-4000:]
+                time.sleep(0.1)
+            process.send_signal(signal.SIGTERM)
+            status = process.wait(timeout=60)
+        finally:
+            process.kill()
+    assert status == 143, (tmp_path / "supervise.log").read_text()[-4000:]
+    stops = {(attempts(tmp_path, task)[0][-1]["epoch"], attempts(tmp_path, task)[0][-1]["step"])
+             for task in TASKS["horovod"]}
+    assert len(stops) == 1 and (stop := stops.pop()) > (1, 4), stops
+    horovod(tmp_path, launcher, *command)
+    for task in TASKS["horovod"]:
+        assert first_steps(tmp_path, task) == [(0, 1), (stop[0], stop[1] + 1)]
     assert_same_training(tmp_path, reference("horovod", "--accumulation_steps", "2"),
                          TASKS["horovod"], ACROSS_PROCESSES)
 
@@ -407,7 +453,7 @@ def test_a_stuck_peer_ends_the_run_within_the_default_timeout(tmp_path):
 
     # Worker 1 blocks in Python for 120 s after step 3 of epoch 2, alive but not training.
     # The bare stack (no timeout) runs beside, to show it still waiting.
-    stall = ["--stall", "worker1@1:3:120"]
+    stall = ["--stall_at", "worker1@1:3:120"]
     bare_out, out = tmp_path / "bare", tmp_path / "tfdist"
     bare_out.mkdir()
     out.mkdir()
@@ -450,7 +496,8 @@ def test_horovod_elastic_goes_on_with_the_rank_left(reference, tmp_path):
     # the last commit (step 4), with the whole global batch and the learning rate for 1.
     command = script(tmp_path, "horovod", "--elastic", "--scale_learning_rate",
                      "--kill", "rank1@1:6")
-    result = run_command([HOROVODRUN, "--gloo", "-np", "2", "--min-np", "1",
+    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
+    result = run_command([horovodrun, "--gloo", "-np", "2", "--min-np", "1",
                           "-H", "localhost:1,127.0.0.1:1", *command], cwd=tmp_path, timeout=120)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     report = final(tmp_path, "rank0")

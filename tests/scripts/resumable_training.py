@@ -5,7 +5,7 @@ Run by the fault-tolerance tests, alone or under `tfdist launch`, `mpirun`, `hor
     python tests/scripts/resumable_training.py OUT_DIR --strategy S --checkpoint_dir DIR \
         [--epochs 3] [--save_every 4] [--accumulation_steps K] [--steps_per_execution N] \
         [--precision P] \
-        [--kill TASK@E:S ...] [--sigterm TASK@E:S ...] [--stall TASK@E:S:SECONDS] \
+        [--kill TASK@E:S ...] [--sigterm TASK@E:S ...] [--stall_at TASK@E:S:SECONDS] \
         [--keras_backup] [--timeout SECONDS] [--bare] [--user_shuffle SEED|unseeded]
 
 The run: 3 epochs of 12 steps (global batch 16 over 192 examples) of an MLP with
@@ -27,8 +27,9 @@ Faults, each acted on once across restarts (a marker file in OUT_DIR remembers):
 - `--kill_in_save TASK@N`: TASK SIGKILLs itself inside the save of global step N, once
   the checkpoint's files are written and before it is recorded as the newest;
 - `--sigterm TASK@E:S`: TASK sends itself SIGTERM there;
-- `--stall TASK@E:S:SECONDS`: TASK sleeps there, in Python, alive but not training;
-  it first writes the time to `stalled-TASK.json`;
+- `--stall_at TASK@E:S:SECONDS`: TASK sleeps there, in Python, alive but not training;
+  it first writes the time to `stalled-TASK.json` (not `--stall`: `horovodrun` reads
+  its own flags after the command too, and takes that for a prefix of its `--stall-check`);
 - `--sigterm_in_trace TASK`: TASK sends itself SIGTERM while Keras traces the first step;
 - `--sigterm_in_validation TASK@E`: TASK sends itself SIGTERM as epoch E's validation
   starts (with `--validation`, which evaluates on held-out examples after every epoch).
@@ -224,7 +225,7 @@ def main():
     parser.add_argument("--kill", action="append")
     parser.add_argument("--kill_in_save")
     parser.add_argument("--sigterm", action="append")
-    parser.add_argument("--stall", action="append")
+    parser.add_argument("--stall_at", action="append")
     parser.add_argument("--sigterm_in_trace")
     parser.add_argument("--sigterm_in_validation", action="append", default=[])
     parser.add_argument("--validation", action="store_true")
@@ -278,7 +279,7 @@ def main():
                       "sparse_categorical_crossentropy", metrics=["accuracy"],
                       steps_per_execution=args.steps_per_execution)
     faults = {"kill": fault_points(args.kill), "sigterm": fault_points(args.sigterm),
-              "stall": fault_points(args.stall)}
+              "stall": fault_points(args.stall_at)}
     recorder = StepRecorder(os.path.join(args.out_dir, f"steps-{task}-{attempt}.jsonl"))
     sizes = []
 
@@ -339,7 +340,7 @@ def bare_multi_worker(args):
         model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
     model.fit(data, epochs=args.epochs, verbose=0,
               callbacks=[StepRecorder(os.path.join(args.out_dir, f"steps-{task}-0.jsonl")),
-                         Faults(args.out_dir, task, {"stall": fault_points(args.stall)})])
+                         Faults(args.out_dir, task, {"stall": fault_points(args.stall_at)})])
     with open(os.path.join(args.out_dir, f"final-{task}.json"), "w") as stream:
         json.dump({"task": task}, stream)
 

@@ -2,7 +2,8 @@
 
     tfdist train [--config FILE] [--strategy S] [--precision P] [--set KEY=VALUE ...]
     tfdist launch -n N [--ps M] [--max_restarts R] [--grace_seconds S] -- COMMAND ...
-    tfdist env
+    tfdist supervise [--grace_seconds S] -- LAUNCHER ...
+    tfdist env [--json]
 
 TensorFlow's C++ start-up lines (oneDNN, CPU features, ...) are hidden unless
 TF_CPP_MIN_LOG_LEVEL is set or `--verbose` is given (before `--` for launch, whose
@@ -27,7 +28,7 @@ from absl import app, flags, logging
 
 import tfdist
 from tfdist import flags as tfdist_flags
-from tfdist.app import quiet
+from tfdist import quiet
 from tfdist.cluster import set_default_environment
 from tfdist.config import config_keys, field_help, load_config
 from tfdist.errors import ClusterError, ConfigError
@@ -39,14 +40,13 @@ commands:
           the chief's last line is a JSON object with the result
   launch  run COMMAND as N local workers (and M parameter servers) with TF_CONFIG set:
           tfdist launch -n 2 -- tfdist train --strategy multi_worker
-  env     print what tfdist detects here: versions, devices, cluster, what auto chooses
+  supervise  run a launcher so that SIGTERM lets the ranks save and ends it with 143:
+             tfdist supervise -- mpirun -np 2 tfdist train --strategy horovod
+  env     what tfdist detects here: versions, devices, cluster, what auto chooses
+          (--json: the full report, with every patch and its upstream issue)
 
 Run 'tfdist COMMAND --help' for a command's flags; --verbose shows TensorFlow's own log;
 'tfdist --version' prints tfdist's version."""
-
-# TensorFlow's C++ log below ERROR (INFO and WARNING lines at start-up and in input
-# pipelines) is hidden unless the user asks for it.
-_QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 def _no_op() -> None:
@@ -76,13 +76,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         # Before TensorFlow is imported: its C++ log reads the level once, at start. A
         # level the user set is theirs, and so is every line it lets through.
-        hide_tensorflow_log = bool(set_default_environment(_QUIET_TENSORFLOW))
+        hide_tensorflow_log = bool(set_default_environment(quiet.QUIET_TENSORFLOW))
     if command == "launch":
         sys.exit(_launch(rest, hide_tensorflow_log=hide_tensorflow_log))
+    if command == "supervise":
+        sys.exit(_supervise(rest))
     _start_tensorflow = quiet.import_tensorflow if hide_tensorflow_log else _no_op
-    commands = {"train": _train, "env": _env}
+    as_json = command == "env" and "--json" in rest
+    if as_json:
+        rest.remove("--json")
+    commands = {"train": _train, "env": functools.partial(_env, as_json=as_json)}
     if command not in commands:
-        _fail(f"unknown command '{command}'; use one of {', '.join(commands)} "
+        _fail(f"unknown command '{command}'; use one of train, launch, supervise, env "
               f"(tfdist --help). Received: {command}")
     if "--help" in rest or "-h" in rest:
         # absl's own --help lists only __main__'s flags and exits with status 1.
@@ -95,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 default = functools.reduce(lambda section, name: section[name],
                                            key.split("."), defaults)
                 print(f"  {key} (default: {default!r}): {field_help(key)}")
+        else:
+            print("flags:\n  --json: the full report as JSON (every patch, the bfloat16 probe)")
         print("\nAbsl and TensorFlow flags: tfdist " + command + " --helpfull")
         sys.exit(0)
     app.run(_one_line_errors(commands[command]), argv=[f"tfdist {command}", *rest],
@@ -166,10 +173,7 @@ def _train() -> None:
 
     runner = Runner(config)
     if runner.is_chief:
-        replicas = f"{runner.num_replicas} replica{'' if runner.num_replicas == 1 else 's'}"
-        print(f"tfdist: strategy {runner.strategy_name.value} ({replicas}; "
-              f"{runner.strategy_reason}), precision {runner.precision.name} "
-              f"({runner.precision.reason})", file=sys.stderr, flush=True)
+        print(runner.summary(), file=sys.stderr, flush=True)
     result = train.run(runner.config, runner=runner)
     if result.pop("is_chief"):
         print(json.dumps(result), flush=True)
@@ -178,8 +182,6 @@ def _train() -> None:
 def _launch(argv: list[str], *, hide_tensorflow_log: bool) -> int:
     from tfdist.app import launch
 
-    launcher_args, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
-        if "--" in argv else (argv, [])
     options = flags.FlagValues()
     flags.DEFINE_integer("num_workers", 1, "Worker processes.", short_name="n",
                          flag_values=options)
@@ -191,18 +193,10 @@ def _launch(argv: list[str], *, hide_tensorflow_log: bool) -> int:
     flags.DEFINE_float("grace_seconds", 30.0, "After Ctrl-C or SIGTERM to the launcher, or a "
                        "task exiting with 143, how long the tasks have to save and exit "
                        "before they are killed.", flag_values=options)
-    if "--help" in launcher_args or "-h" in launcher_args:
-        print("usage: tfdist launch -n N [--ps M] [--max_restarts R] [--grace_seconds S] "
-              "-- COMMAND ...\n")
-        print(options.module_help(__name__).replace(f"{__name__}:", "flags:"))
+    command = _command_after_flags(
+        "launch", "-n N [--ps M] [--max_restarts R] [--grace_seconds S]", options, argv)
+    if command is None:
         return 0
-    try:
-        unparsed = options(["tfdist launch", *launcher_args])
-    except flags.Error as error:
-        _fail(str(error).replace("\n", " "))
-    if len(unparsed) > 1:
-        _fail(f"tfdist launch takes its flags, then '--', then the command; unexpected: "
-              f"{' '.join(unparsed[1:])}")
     try:
         if options.grace_seconds <= 0:
             raise ConfigError(f"tfdist launch --grace_seconds must be > 0. "
@@ -214,7 +208,42 @@ def _launch(argv: list[str], *, hide_tensorflow_log: bool) -> int:
         _fail(str(error))
 
 
-def _env() -> None:
+def _supervise(argv: list[str]) -> int:
+    from tfdist.app import supervise
+
+    options = flags.FlagValues()
+    flags.DEFINE_float("grace_seconds", 30.0, "After SIGTERM or Ctrl-C, how long the ranks "
+                       "have to save and the launcher to end before it is stopped (at least "
+                       "checkpoint.grace_seconds).", flag_values=options)
+    command = _command_after_flags("supervise", "[--grace_seconds S]", options, argv)
+    if command is None:
+        return 0
+    try:
+        return supervise.supervise(command, grace_seconds=options.grace_seconds)
+    except ConfigError as error:
+        _fail(str(error))
+
+
+def _command_after_flags(name: str, usage: str, options: flags.FlagValues,
+                         argv: list[str]) -> list[str] | None:
+    """Parses `[FLAGS] -- COMMAND ...` into `options`; returns COMMAND, or None after --help."""
+    own, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
+        if "--" in argv else (argv, [])
+    if "--help" in own or "-h" in own:
+        print(f"usage: tfdist {name} {usage} -- COMMAND ...\n")
+        print(options.module_help(__name__).replace(f"{__name__}:", "flags:"))
+        return None
+    try:
+        unparsed = options([f"tfdist {name}", *own])
+    except flags.Error as error:
+        _fail(str(error).replace("\n", " "))
+    if len(unparsed) > 1:
+        _fail(f"tfdist {name} takes its flags, then '--', then the command; unexpected: "
+              f"{' '.join(unparsed[1:])}")
+    return command
+
+
+def _env(as_json: bool = False) -> None:
     _start_tensorflow()
     import keras
     import tensorflow as tf
@@ -240,7 +269,50 @@ def _env() -> None:
         "bfloat16_probe": _bfloat16_probe(cluster),
         "patches": _patches(),
     }
-    print(json.dumps(report, indent=2, default=str))
+    print(json.dumps(report, indent=2, default=str) if as_json else _env_summary(report, cluster))
+
+
+def _env_summary(report: dict, cluster: Any) -> str:
+    """`tfdist env`'s few lines for a person; `--json` gives the report itself."""
+    versions = report["versions"]
+    cpu = f"{cluster.cpu_cores} cores" + (f", {cluster.cpu_model}" if cluster.cpu_model else "")
+    if cluster.cpu_bf16:
+        cpu += ", bfloat16 instructions"
+    gpus = ", ".join(gpu.name for gpu in cluster.gpus) or "none"
+    if cluster.tf_config is not None:
+        config = cluster.tf_config
+        where = (f"TF_CONFIG: {config.task_type}:{config.task_index} of "
+                 f"{sum(len(addresses) for addresses in config.cluster.values())} tasks")
+    elif cluster.slurm is not None:
+        where = f"Slurm job {cluster.slurm.job_id}: task {cluster.slurm.proc_id} of " \
+                f"{cluster.slurm.num_tasks}"
+    elif cluster.mpi is not None:
+        where = f"{cluster.mpi.launcher}: rank {cluster.mpi.rank} of {cluster.mpi.size}"
+    else:
+        where = "none found (no TF_CONFIG, Slurm job step or MPI rank): one process"
+    horovod = report["horovod"]
+    if horovod["installed"]:
+        built = [name for key, name in (("mpi", "MPI"), ("gloo", "Gloo"), ("nccl", "NCCL"))
+                 if horovod[key]]
+        horovod_line = f"{horovod['version']} with {', '.join(built)}"
+    else:
+        horovod_line = f"not installed ({horovod['install']})"
+    patches = report["patches"]
+    auto = report["auto"]
+    return "\n".join([
+        f"tfdist {versions['tfdist']}, Python {versions['python']}, TensorFlow "
+        f"{versions['tensorflow']}, Keras {versions['keras']}",
+        f"devices     CPU: {cpu}; GPUs: {gpus}"
+        + (f"; TPU: {cluster.tpu.name}" if cluster.tpu else ""),
+        f"cluster     {where}",
+        f"auto        strategy {auto['strategy']} ({auto['why']})",
+        f"            precision {auto['precision']} ({auto['precision_why']})",
+        f"strategies  {', '.join(report['strategies_available'])}",
+        f"horovod     {horovod_line}",
+        f"patches     {len(patches['all'])} known, {len(patches['active'])} active in this "
+        f"process (each with its upstream issue: --json)",
+        "the full report, as JSON: tfdist env --json",
+    ])
 
 
 def _bfloat16_probe(cluster: Any) -> dict:

@@ -5,7 +5,9 @@
 free loopback ports, each with its TF_CONFIG. It is a tool for tests, demos and
 single-host runs, not a cluster manager.
 
-- Every output line is prefixed with its task: `[worker:1] Epoch 1/5`.
+- Every output line is prefixed with its task: `[worker:1] Epoch 1/5`. Each task
+  writes to a pseudo-terminal of its own (as mpirun's ranks do), so a Keras progress
+  bar is drawn in place, and stays one updating line (`tfdist.app.console`).
 - Without `--ps`, the group succeeds when every worker exits 0; when one fails,
   the others are stopped (SIGTERM, then SIGKILL after a grace period) and the
   launcher exits non-zero, naming the failed task.
@@ -33,28 +35,35 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
+import errno
 import json
 import os
+import pty
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import termios
 import threading
 import time
-from typing import IO, Iterator, Sequence
+from typing import IO, Sequence
 
-from tfdist.app.quiet import is_tensorflow_log_line
+from tfdist.app.console import Console
+from tfdist.app.interruption import Interruption, interruption_handled
 from tfdist.cluster import child_environment
 from tfdist.errors import ConfigError
+from tfdist.quiet import is_tensorflow_log_line
 from tfdist.resume.preemption import RESTART_EXIT_CODE
 
 LOOPBACK = "127.0.0.1"
 # After a failure the survivors cannot finish a step (their peer is gone), so there is
 # nothing to wait for: they get this long between SIGTERM and SIGKILL.
 FAILURE_GRACE_SECONDS = 5.0
+_READ_BYTES = 65536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +156,8 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
                           f"PATH or a path to an executable file. Received: "
                           f"{' '.join(command)}")
     output = sys.stdout if output is None else output
-    status, interrupted = 1, _Interruption()
-    with _signals_set(interrupted):
+    status = 1
+    with interruption_handled() as interrupted:
         for attempt in range(max_restarts + 1):
             if attempt:
                 _say(output, f"restarting the group (restart {attempt} of {max_restarts})")
@@ -159,16 +168,6 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
     return status
 
 
-class _Interruption(threading.Event):
-    """Set by SIGINT or SIGTERM to the launcher; remembers which."""
-
-    signum = signal.SIGINT
-
-    def set_by(self, signum: int) -> None:
-        self.signum = signum
-        self.set()
-
-
 def _say(output: IO[str], message: str) -> None:
     print(f"tfdist launch: {message}", file=output, flush=True)
 
@@ -177,16 +176,16 @@ class _Group:
     """One attempt: start every task, relay output, watch, stop."""
 
     def __init__(self, command: list[str], cluster: dict[str, list[str]], output: IO[str],
-                 grace_seconds: float, interrupted: _Interruption,
+                 grace_seconds: float, interrupted: Interruption,
                  hide_tensorflow_log: bool = False):
         self.command = command
-        self.hide_tensorflow_log = hide_tensorflow_log
         self.cluster = cluster
         self.output = output
         self.grace_seconds = grace_seconds
         self.processes: dict[Task, subprocess.Popen] = {}
         self.relays: list[threading.Thread] = []
-        self.write_lock = threading.Lock()
+        self.console = Console(output, keep_line=(lambda line: not is_tensorflow_log_line(line))
+                               if hide_tensorflow_log else None)
         self.interrupted = interrupted  # Set by SIGINT or SIGTERM to the launcher.
         # The coordinator (chief) decides when there are servers; else every worker.
         self.chief_decides = "ps" in cluster
@@ -212,28 +211,45 @@ class _Group:
                 task = Task(task_type, index)
                 tf_config = {"cluster": self.cluster,
                              "task": {"type": task_type, "index": index}}
-                process = subprocess.Popen(
-                    self.command, env=child_environment({"TF_CONFIG": json.dumps(tf_config)}),
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    text=True, bufsize=1, errors="replace", start_new_session=True)
+                # A terminal for the task's output, as mpirun gives its ranks: Keras then
+                # draws its progress bar in place ("\r") instead of a line per refresh.
+                terminal, task_side = pty.openpty()
+                _no_output_processing(task_side)
+                try:
+                    process = subprocess.Popen(
+                        self.command,
+                        env=child_environment({"TF_CONFIG": json.dumps(tf_config)}),
+                        stdin=subprocess.DEVNULL, stdout=task_side, stderr=task_side,
+                        start_new_session=True)
+                except BaseException:
+                    os.close(terminal)
+                    raise
+                finally:
+                    os.close(task_side)
                 self.processes[task] = process
-                relay = threading.Thread(target=self._relay, args=(task, process), daemon=True)
+                relay = threading.Thread(target=self._relay, args=(task, terminal), daemon=True)
                 relay.start()
                 self.relays.append(relay)
 
-    def _relay(self, task: Task, process: subprocess.Popen) -> None:
-        for line in process.stdout:
-            if self.hide_tensorflow_log and is_tensorflow_log_line(line):
-                continue
-            with self.write_lock:
-                self.output.write(f"[{task.name}] {line}" if line.endswith("\n")
-                                  else f"[{task.name}] {line}\n")
-                self.output.flush()
+    def _say(self, message: str) -> None:
+        self.console.say(f"tfdist launch: {message}")
+
+    def _relay(self, task: Task, terminal: int) -> None:
+        stream = self.console.stream(task.name)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            # Chunks as they come, not lines: a progress bar's "\r" updates end in none.
+            while chunk := _read_terminal(terminal):
+                stream.feed(decoder.decode(chunk))
+            stream.feed(decoder.decode(b"", final=True))
+            stream.close()
+        finally:
+            os.close(terminal)
 
     def _watch(self) -> int:
         while True:
             if self.interrupted.is_set():
-                _say(self.output, "interrupted; stopping every task")
+                self._say("interrupted; stopping every task")
                 return 128 + self.interrupted.signum
             for task, process in self.processes.items():
                 status = process.poll()
@@ -242,17 +258,17 @@ class _Group:
                 status = _shell_status(status)
                 if self.chief_decides and task not in self.deciders:
                     self.reported.add(task)
-                    _say(self.output, f"{task.name} exited with status {status}; the chief "
-                                      f"decides whether training goes on")
+                    self._say(f"{task.name} exited with status {status}; the chief "
+                              f"decides whether training goes on")
                     continue
                 if status == RESTART_EXIT_CODE:
-                    _say(self.output, f"{task.name} exited with status {status} (saved for a "
-                                      f"restart); waiting up to {self.grace_seconds:g} s for "
-                                      f"the other tasks")
+                    self._say(f"{task.name} exited with status {status} (saved for a "
+                              f"restart); waiting up to {self.grace_seconds:g} s for "
+                              f"the other tasks")
                     self._wait_for_all(self.grace_seconds)
                 else:
-                    _say(self.output, f"{task.name} exited with status {status}; "
-                                      f"stopping the other tasks")
+                    self._say(f"{task.name} exited with status {status}; "
+                              f"stopping the other tasks")
                     self.stop_grace = FAILURE_GRACE_SECONDS
                 return status
             if all(self.processes[task].poll() == 0 for task in self.deciders):
@@ -280,6 +296,23 @@ class _Group:
                 process.wait(timeout=FAILURE_GRACE_SECONDS)
 
 
+def _no_output_processing(terminal: int) -> None:
+    """The task's bytes as it wrote them: no "\n" turned into "\r\n" by the terminal."""
+    attributes = termios.tcgetattr(terminal)
+    attributes[1] &= ~termios.OPOST  # the output flags
+    termios.tcsetattr(terminal, termios.TCSANOW, attributes)
+
+
+def _read_terminal(terminal: int) -> bytes:
+    """The next chunk a task wrote; b"" once every writer has closed its side."""
+    try:
+        return os.read(terminal, _READ_BYTES)
+    except OSError as error:  # Linux says EIO, not end of file, when the last writer closes.
+        if error.errno == errno.EIO:
+            return b""
+        raise
+
+
 def _shell_status(returncode: int) -> int:
     """A child's exit status as a shell reports it: 128 + N when signal N ended it."""
     return 128 - returncode if returncode < 0 else returncode
@@ -288,26 +321,3 @@ def _shell_status(returncode: int) -> int:
 def _signal_group(process: subprocess.Popen, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signum)
-
-
-@contextlib.contextmanager
-def _signals_set(event: _Interruption) -> Iterator[None]:
-    """SIGINT and SIGTERM to the launcher set `event`, which stops the group.
-
-    The handler only sets a flag: an exception raised wherever the signal lands
-    could fall between starting a child and recording it, and leave it running.
-    SIGINT is handled explicitly too: a process started in the background by a
-    non-interactive shell inherits SIGINT as ignored, and Python then installs no
-    Ctrl-C handler of its own.
-    """
-    previous = {}
-    try:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, lambda received, _: event.set_by(received))
-    except ValueError:  # Not the main thread: leave signals alone.
-        pass
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)

@@ -21,7 +21,7 @@ from tfdist.app import data
 from tfdist.callbacks import Throughput
 from tfdist.config import Config, OptimizerName, TrainConfig
 from tfdist.errors import ConfigError
-from tfdist.files import atomic_write_text
+from tfdist.files import atomic_write_text, writable_folder
 from tfdist.runner import Runner
 
 
@@ -73,6 +73,9 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
         raise ConfigError("train.tensorboard needs the tensorboard package; pip install "
                           "tensorboard, or set train.tensorboard=false. "
                           "Received: train.tensorboard=true")
+    if runner.is_chief:
+        # Before training, not after it: the result is written there at the end.
+        writable_folder(job.output_dir, "train.output_dir")
     splits = data.load(job)
     # Shuffled by the Runner: the same order on every worker (each takes its slices, so
     # together they see every example once per epoch), fixed by (seed, epoch), so a run

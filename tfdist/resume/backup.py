@@ -362,6 +362,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         where = f", saved to {self.directory}" if self.directory else ""
         _say(f"preempted (SIGTERM): every process stopped at {self._position.describe()}"
              f"{where}; exiting with status {RESTART_EXIT_CODE} to be restarted")
+        self._watch.stopping_for_restart()
         self._release(deliver_signal=False)
         raise SystemExit(RESTART_EXIT_CODE)
 

@@ -38,6 +38,7 @@ from absl import logging
 from tensorflow.python.ops import resource_variable_ops
 
 from tfdist.errors import ConfigError
+from tfdist.files import writable_folder
 
 # Bumped when what a checkpoint holds changes in a way an older reader would misread.
 FORMAT_VERSION = 1
@@ -117,7 +118,7 @@ class CheckpointStore:
         keep: Checkpoints kept in `directory`; older ones are deleted.
 
     Raises:
-        ConfigError: `directory` exists and is not a folder, or cannot be created.
+        ConfigError: `directory` is not a folder this process can write in.
     """
 
     def __init__(self, directory: str | os.PathLike, objects: Mapping[str, Any], *,
@@ -126,12 +127,7 @@ class CheckpointStore:
         self.checkpoint = tf.train.Checkpoint(**objects)
         self._is_writer = is_writer
         if is_writer:
-            try:
-                os.makedirs(self.directory, exist_ok=True)
-            except OSError as error:
-                raise ConfigError(f"checkpoint directory {self.directory} cannot be created "
-                                  f"({error.strerror}); choose a writable folder. "
-                                  f"Received: checkpoint_dir={self.directory!r}") from None
+            writable_folder(self.directory, "checkpoint_dir")
             write_directory, max_to_keep = self.directory, keep
         else:
             write_directory, max_to_keep = tempfile.mkdtemp(prefix="tfdist-not-chief-"), 1

@@ -24,6 +24,10 @@ Every process then saves, and exits with `RESTART_EXIT_CODE`. A process that
 has not exited `grace_seconds` after the signal exits with it anyway, without
 saving: the newest checkpoint is still intact.
 
+Under `tfdist supervise` (`mpirun`, `horovodrun`), a watching process registers
+(`Registration`): the supervisor passes its SIGTERM to it, and reads from it that
+it stopped to be restarted.
+
 Example:
 
     watch = PreemptionWatch(grace_seconds=25)
@@ -36,14 +40,19 @@ Example:
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from absl import logging
+
+from tfdist.cluster import supervisor_folder
 
 # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM, and an exit code
 # Kubeflow's `restartPolicy: ExitCode` treats as retryable (it retries 128-255 and
@@ -76,6 +85,7 @@ class PreemptionWatch:
         self._previous: Any = None
         self._installed = False
         self._deadline: threading.Timer | None = None
+        self._registration = Registration(None)
 
     @property
     def signalled(self) -> bool:
@@ -94,7 +104,13 @@ class PreemptionWatch:
                             "run resumes from its last periodic checkpoint.")
             return False
         self._installed = True
+        # After the handler: a supervisor that reads the registration may signal at once.
+        self._registration = Registration.create()
         return True
+
+    def stopping_for_restart(self) -> None:
+        """Records, for a supervisor, that this process exits with `RESTART_EXIT_CODE`."""
+        self._registration.say(Registration.RESTART)
 
     def uninstall(self) -> None:
         """Gives SIGTERM back to the previous handler, and delivers a signal left unanswered.
@@ -107,6 +123,7 @@ class PreemptionWatch:
             return
         signal.signal(signal.SIGTERM, self._previous)
         self._installed = False
+        self._registration.remove()
         if self._deadline is not None:
             self._deadline.cancel()
         if self.signalled:
@@ -128,7 +145,50 @@ class PreemptionWatch:
               f"checkpoint.grace_seconds={self.grace_seconds:g} of SIGTERM; exiting without "
               f"saving (status {RESTART_EXIT_CODE}); a restart resumes from the newest "
               f"checkpoint", file=sys.stderr, flush=True)
+        self.stopping_for_restart()
         os._exit(RESTART_EXIT_CODE)
+
+
+class Registration:
+    """This process's file in `tfdist supervise`'s folder: `PID@HOST`, holding its state.
+
+    Outside a supervisor (no folder in the environment) it does nothing.
+
+    Args:
+        path: The file, or None (nothing to record).
+
+    Example:
+
+        registration = Registration.create()   # "training"
+        registration.say(Registration.RESTART)  # it saved and exits with 143
+    """
+
+    TRAINING = "training"
+    RESTART = "restart"
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    @classmethod
+    def create(cls) -> "Registration":
+        """Registers this process as training, if a supervisor watches this host."""
+        folder = supervisor_folder()
+        if folder is None or not os.path.isdir(folder):
+            # Not supervised, or a rank on another host than the supervisor's.
+            return cls(None)
+        registration = cls(Path(folder) / f"{os.getpid()}@{socket.gethostname()}")
+        registration.say(cls.TRAINING)
+        return registration
+
+    def say(self, state: str) -> None:
+        if self.path is not None:
+            with contextlib.suppress(OSError):  # The supervisor has gone: nobody reads it.
+                self.path.write_text(state)
+
+    def remove(self) -> None:
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
 
 
 class StopAgreement(abc.ABC):

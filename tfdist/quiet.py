@@ -1,16 +1,21 @@
-"""Keeping TensorFlow's C++ start-up log off the console of `tfdist train | launch | env`.
+"""Keeping TensorFlow's C++ log off the console: `tfdist train | launch | env`, and scripts.
 
 `TF_CPP_MIN_LOG_LEVEL=2` hides TensorFlow's INFO and WARNING lines, except those its
 libraries write while they load (the oneDNN notice, through absl's logging before
 `absl::InitializeLog`): those are caught on file descriptor 2 while TensorFlow is
 imported. Any other line written meanwhile (an import error) is passed on.
 
+A script calls `start_quietly()` before it imports TensorFlow; a level the user set
+(`TF_CPP_MIN_LOG_LEVEL=0` to see everything) is left alone, and so is every line it
+lets through.
+
 Example:
 
-    from tfdist.app import quiet
+    import tfdist.quiet
+    tfdist.quiet.start_quietly()           # first, before TensorFlow is imported
+    import tensorflow as tf
 
-    quiet.import_tensorflow()
-    quiet.is_tensorflow_log_line("I0000 00:00:17.6 700 port.cc:153] oneDNN ...")   # True
+    tfdist.quiet.is_tensorflow_log_line("I0000 00:00:17.6 700 port.cc:153] oneDNN ...")  # True
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ import os
 import re
 import sys
 import tempfile
+
+from tfdist.cluster import set_default_environment
+
+# TensorFlow's C++ log below ERROR: INFO and WARNING lines at start-up and in input
+# pipelines.
+QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 # absl's C++ log prefix at INFO or WARNING severity (`I0000 00:00:1795.600453  700
 # port.cc:153] ...`), and the notice absl writes before its first early line.
@@ -30,6 +41,18 @@ _TENSORFLOW_LOG_LINE = re.compile(
 def is_tensorflow_log_line(line: str) -> bool:
     """Whether `line` is a TensorFlow C++ log line at INFO or WARNING severity."""
     return bool(_TENSORFLOW_LOG_LINE.match(line))
+
+
+def start_quietly() -> None:
+    """Imports TensorFlow and Keras with their C++ INFO and WARNING lines hidden.
+
+    Unless `TF_CPP_MIN_LOG_LEVEL` is set already (then it is the user's choice). Call it
+    before anything imports TensorFlow: the level is read once, as TensorFlow loads.
+    """
+    if "tensorflow" in sys.modules:
+        return
+    if set_default_environment(QUIET_TENSORFLOW):
+        import_tensorflow()
 
 
 def import_tensorflow() -> None:
