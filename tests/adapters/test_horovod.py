@@ -30,14 +30,56 @@ def weights(path):
                                          key=lambda item: int(item[0].split("_")[1]))]
 
 
-def run_ranks(tmp_path, *args, timeout=90):
-    """Runs the training script on 2 ranks; returns (reports by rank, weights by rank)."""
-    result = run_command(mpirun(sys.executable, SCRIPT, str(tmp_path), *args), cwd=tmp_path,
-                         timeout=timeout)
+def ranks_of(out_dir):
+    """(reports by rank, weights by rank) of one run's folder."""
+    by_rank = reports(out_dir)
+    assert sorted(by_rank) == [0, 1], sorted(out_dir.iterdir())
+    return by_rank, {rank: weights(out_dir / f"rank{rank}.npz") for rank in (0, 1)}
+
+
+# The runs of the tests below that train and succeed: one launch trains them all in turn
+# (`--variants`), each as if launched alone, since 2 ranks starting TensorFlow and Horovod
+# cost more CPU than these runs do.
+VARIANTS = {
+    "sgd": ["--optimizer=sgd", "--seed_by_rank"],
+    "adam": ["--optimizer=adam", "--seed_by_rank"],
+    "accumulate_sgd": ["--optimizer=sgd", "--seed_by_rank", "--set=accumulation_steps=4"],
+    "accumulate_adam": ["--optimizer=adam", "--seed_by_rank", "--set=accumulation_steps=4"],
+    "cycle_split": ["--set=accumulation_steps=3", "--steps=5", "--epochs=2", "--seed_by_rank",
+                    "--fits=2"],
+    "cycle_whole": ["--set=accumulation_steps=3", "--steps=5", "--epochs=2", "--seed_by_rank"],
+    "accumulate_fp16_inf": ["--precision=mixed_float16", "--inf_at_step=3", "--epochs=1",
+                            "--set=accumulation_steps=4"],
+    "horovod.op=sum": ["--optimizer=sgd", "--set=horovod.op=sum"],
+    "horovod.scale_learning_rate=true": ["--optimizer=sgd",
+                                         "--set=horovod.scale_learning_rate=true"],
+    "grouped": ["--optimizer=adam", "--seed_by_rank", "--set=horovod.grouped=true"],
+    "sparse_as_dense=false": ["--embedding", "--seed_by_rank",
+                              "--set=horovod.sparse_as_dense=false"],
+    "sparse_as_dense=true": ["--embedding", "--seed_by_rank",
+                             "--set=horovod.sparse_as_dense=true"],
+    "fp16_compression": ["--set=horovod.compression=fp16"],
+    "adasum": ["--set=horovod.op=adasum"],
+    "seeded": ["--seed_by_rank", "--steps=1", "--epochs=1"],
+    "seeded_without_broadcast": ["--seed_by_rank", "--steps=1", "--epochs=1",
+                                 "--without=broadcast"],
+    "fp16_inf": ["--precision=mixed_float16", "--inf_at_step=3", "--epochs=1",
+                 "--optimizer=adam"],
+}
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """variants(name): (reports by rank, weights by rank, folder) of that run of VARIANTS."""
+    out = tmp_path_factory.mktemp("horovod_variants")
+    result = run_command(mpirun(sys.executable, SCRIPT, str(out),
+                                "--variants", json.dumps(VARIANTS)), cwd=out, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    by_rank = reports(tmp_path)
-    assert sorted(by_rank) == [0, 1], result.stdout[-3000:]
-    return by_rank, {rank: weights(tmp_path / f"rank{rank}.npz") for rank in (0, 1)}
+
+    def get(name):
+        return (*ranks_of(out / name), out / name)
+
+    return get
 
 
 def one_device_run(start, optimizer, steps, epochs, learning_rate=None, embedding=False):
@@ -68,10 +110,9 @@ def max_difference(first, second):
 
 
 @pytest.fixture(scope="module", params=["sgd", "adam"])
-def trained(request, tmp_path_factory):
+def trained(request, variants):
     """2 ranks from different initial weights, 10 steps x 2 epochs, and one_device beside them."""
-    out = tmp_path_factory.mktemp(f"horovod_{request.param}")
-    by_rank, weights_by_rank = run_ranks(out, f"--optimizer={request.param}", "--seed_by_rank")
+    by_rank, weights_by_rank, out = variants(request.param)
     start = weights(out / "start.npz")
     reference, reference_history = one_device_run(start, request.param, steps=10, epochs=2)
     return by_rank, weights_by_rank, start, reference, reference_history
@@ -97,15 +138,13 @@ def test_every_rank_equals_one_device(trained):
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_accumulating_4_micro_batches_equals_one_device(optimizer, tmp_path):
+def test_accumulating_4_micro_batches_equals_one_device(optimizer, variants):
     # Micro-batches of 8 (4 per rank), 4 per update: the 20 updates of batch 32, and one
     # allreduce per update, not per micro-batch.
-    by_rank, weights_by_rank = run_ranks(tmp_path, f"--optimizer={optimizer}", "--seed_by_rank",
-                                         "--set=accumulation_steps=4")
+    by_rank, weights_by_rank, out = variants(f"accumulate_{optimizer}")
     assert all((report["iterations"], report["reductions"]) == (20, 20)
                for report in by_rank.values())
-    reference, _ = one_device_run(weights(tmp_path / "start.npz"), optimizer, steps=10,
-                                  epochs=2)
+    reference, _ = one_device_run(weights(out / "start.npz"), optimizer, steps=10, epochs=2)
     for rank in (0, 1):
         assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
 
@@ -113,14 +152,11 @@ def test_accumulating_4_micro_batches_equals_one_device(optimizer, tmp_path):
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_a_cycle_carried_into_the_next_fit_keeps_each_ranks_accumulators(tmp_path):
+def test_a_cycle_carried_into_the_next_fit_keeps_each_ranks_accumulators(variants):
     # 16 micro-batches of 10 per epoch, 3 per update: the first fit ends 1 micro-batch into
     # a cycle. The broadcast at the second fit's start must leave each rank's partial sums.
-    args = ["--set=accumulation_steps=3", "--steps=5", "--epochs=2", "--seed_by_rank"]
-    (tmp_path / "split").mkdir()
-    (tmp_path / "whole").mkdir()
-    _, split = run_ranks(tmp_path / "split", *args, "--fits=2")
-    _, whole = run_ranks(tmp_path / "whole", *args)
+    _, split, _ = variants("cycle_split")
+    _, whole, _ = variants("cycle_whole")
     for rank in (0, 1):
         assert max_difference(split[rank], whole[rank]) < TOLERANCE
 
@@ -128,10 +164,8 @@ def test_a_cycle_carried_into_the_next_fit_keeps_each_ranks_accumulators(tmp_pat
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_accumulation_under_mixed_float16_skips_the_cycle_with_an_inf_on_both_ranks(tmp_path):
-    by_rank, weights_by_rank = run_ranks(tmp_path, "--precision=mixed_float16",
-                                         "--inf_at_step=3", "--epochs=1",
-                                         "--set=accumulation_steps=4")
+def test_accumulation_under_mixed_float16_skips_the_cycle_with_an_inf_on_both_ranks(variants):
+    by_rank, weights_by_rank, _ = variants("accumulate_fp16_inf")
     # 10 cycles of 4 micro-batches; the inf is in cycle 3 on rank 1: 9 updates on both.
     assert [(by_rank[r]["iterations"], by_rank[r]["reductions"]) for r in (0, 1)] == [(9, 9)] * 2
     assert [by_rank[rank]["loss_scale"] for rank in (0, 1)] == [2.0 ** 14] * 2
@@ -158,11 +192,11 @@ def test_history_is_the_same_on_every_rank_and_is_the_global_mean(trained):
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
 def test_summed_gradients_or_a_scaled_rate_equal_one_device_at_twice_the_rate(setting,
-                                                                              tmp_path):
+                                                                              variants):
     # With SGD, the sum of 2 ranks' mean gradients, or their mean at twice the rate, is
     # one_device's step at twice the rate.
-    by_rank, weights_by_rank = run_ranks(tmp_path, "--optimizer=sgd", f"--set={setting}")
-    reference, _ = one_device_run(weights(tmp_path / "start.npz"), "sgd", steps=10, epochs=2,
+    by_rank, weights_by_rank, out = variants(setting)
+    reference, _ = one_device_run(weights(out / "start.npz"), "sgd", steps=10, epochs=2,
                                   learning_rate=0.2)
     for rank in (0, 1):
         assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
@@ -171,12 +205,11 @@ def test_summed_gradients_or_a_scaled_rate_equal_one_device_at_twice_the_rate(se
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_one_grouped_allreduce_equals_one_device(tmp_path):
+def test_one_grouped_allreduce_equals_one_device(variants):
     # horovod.grouped=true: all gradients in one grouped_allreduce (the default is one
     # allreduce per gradient, which every other test here runs).
-    by_rank, weights_by_rank = run_ranks(tmp_path, "--optimizer=adam", "--seed_by_rank",
-                                         "--set=horovod.grouped=true")
-    reference, _ = one_device_run(weights(tmp_path / "start.npz"), "adam", steps=10, epochs=2)
+    by_rank, weights_by_rank, out = variants("grouped")
+    reference, _ = one_device_run(weights(out / "start.npz"), "adam", steps=10, epochs=2)
     for rank in (0, 1):
         assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
 
@@ -185,11 +218,10 @@ def test_one_grouped_allreduce_equals_one_device(tmp_path):
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_sparse_embedding_gradients_equal_one_device(as_dense, tmp_path):
+def test_sparse_embedding_gradients_equal_one_device(as_dense, variants):
     # Embedding gradients are tf.IndexedSlices: allgathered, or allreduced as dense.
-    by_rank, weights_by_rank = run_ranks(tmp_path, "--embedding", "--seed_by_rank",
-                                         f"--set=horovod.sparse_as_dense={as_dense}")
-    reference, _ = one_device_run(weights(tmp_path / "start.npz"), "sgd", steps=10, epochs=2,
+    by_rank, weights_by_rank, out = variants(f"sparse_as_dense={as_dense}")
+    reference, _ = one_device_run(weights(out / "start.npz"), "sgd", steps=10, epochs=2,
                                   embedding=True)
     for rank in (0, 1):
         assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
@@ -198,37 +230,36 @@ def test_sparse_embedding_gradients_equal_one_device(as_dense, tmp_path):
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_fp16_compression_is_close_to_one_device_but_rounded(tmp_path):
-    by_rank, weights_by_rank = run_ranks(tmp_path, "--set=horovod.compression=fp16")
+def test_fp16_compression_is_close_to_one_device_but_rounded(variants):
+    by_rank, weights_by_rank, out = variants("fp16_compression")
     assert max_difference(weights_by_rank[0], weights_by_rank[1]) == 0.0
-    reference, _ = one_device_run(weights(tmp_path / "start.npz"), "sgd", steps=10, epochs=2)
+    reference, _ = one_device_run(weights(out / "start.npz"), "sgd", steps=10, epochs=2)
     assert 1e-7 < max_difference(weights_by_rank[0], reference) < 1e-2
 
 
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_adasum_trains_the_same_weights_on_every_rank(tmp_path):
-    by_rank, weights_by_rank = run_ranks(tmp_path, "--set=horovod.op=adasum")
+def test_adasum_trains_the_same_weights_on_every_rank(variants):
+    by_rank, weights_by_rank, out = variants("adasum")
     assert [by_rank[rank]["iterations"] for rank in (0, 1)] == [20, 20]
     assert max_difference(weights_by_rank[0], weights_by_rank[1]) == 0.0
-    assert max_difference(weights_by_rank[0], weights(tmp_path / "start.npz")) > 1e-2
+    assert max_difference(weights_by_rank[0], weights(out / "start.npz")) > 1e-2
 
 
-@pytest.mark.parametrize("without, identical", [(None, True), ("broadcast", False)])
+@pytest.mark.parametrize("name, identical", [("seeded", True),
+                                             ("seeded_without_broadcast", False)])
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_ranks_seeded_differently_are_identical_after_the_first_step(without, identical,
-                                                                     tmp_path):
-    args = ["--seed_by_rank", "--steps=1", "--epochs=1"] + (
-        [f"--without={without}"] if without else [])
-    by_rank, weights_by_rank = run_ranks(tmp_path, *args)
+def test_ranks_seeded_differently_are_identical_after_the_first_step(name, identical,
+                                                                     variants):
+    by_rank, weights_by_rank, out = variants(name)
     assert [by_rank[rank]["iterations"] for rank in (0, 1)] == [1, 1]
     apart = max_difference(weights_by_rank[0], weights_by_rank[1])
     if identical:
         assert apart == 0.0
-        reference, _ = one_device_run(weights(tmp_path / "start.npz"), "sgd", steps=1, epochs=1)
+        reference, _ = one_device_run(weights(out / "start.npz"), "sgd", steps=1, epochs=1)
         assert max_difference(weights_by_rank[0], reference) < TOLERANCE
     else:
         assert apart > 1e-2  # without the broadcast the ranks keep their own weights
@@ -237,9 +268,8 @@ def test_ranks_seeded_differently_are_identical_after_the_first_step(without, id
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_mixed_float16_inf_on_one_rank_skips_the_step_on_both(tmp_path):
-    by_rank, weights_by_rank = run_ranks(tmp_path, "--precision=mixed_float16",
-                                         "--inf_at_step=3", "--epochs=1", "--optimizer=adam")
+def test_mixed_float16_inf_on_one_rank_skips_the_step_on_both(variants):
+    by_rank, weights_by_rank, _ = variants("fp16_inf")
     # 10 steps, one skipped everywhere: 9 updates, and the loss scale halved once.
     assert [by_rank[rank]["iterations"] for rank in (0, 1)] == [9, 9]
     assert [by_rank[rank]["loss_scale"] for rank in (0, 1)] == [2.0 ** 14] * 2
@@ -357,7 +387,7 @@ def test_a_gloo_run_reports_its_rank_in_the_environment(tmp_path):
     # Each rank writes its own file: horovodrun interleaves the ranks' output.
     result = run_command([str(REPO / ".venv" / "bin" / "horovodrun"), "--gloo", "-np", "2",
                           "-H", "localhost:2", "sh", "-c",
-                          f"{TFDIST} env > env$HOROVOD_RANK.json"], cwd=tmp_path)
+                          f"{TFDIST} env --json > env$HOROVOD_RANK.json"], cwd=tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     reports = [json.loads((tmp_path / f"env{rank}.json").read_text()) for rank in (0, 1)]
     assert [report["auto"]["strategy"] for report in reports] == ["horovod", "horovod"]

@@ -23,6 +23,9 @@ group), gradient_predivide_factor=F, compression=fp16, sparse_as_dense=true.
 --as_horovod_docs writes the model and compile as Horovod's TF2 Keras examples do: no
 `keras.Input` (the model is built on its first batch, rank r's weights drawn from seed
 100 + r) and `compile(..., experimental_run_tf_function=False)`.
+--variants '{"NAME": [ARGS...], ...}' runs the script once per variant in this one launch,
+each as if its ARGS were given alone, into OUT_DIR/NAME (one module for all of them):
+starting TensorFlow and Horovod costs a launch more than one of these runs does.
 """
 
 import argparse
@@ -40,21 +43,25 @@ from tests import reference  # noqa: E402
 GLOBAL_BATCH, STEPS, EPOCHS = 32, 8, 2
 
 
+_counter = {}  # The variable the wrapped grouped allreduce counts into (one per run).
+
+
 def count_grouped_allreduces():
     """Counts each grouped allreduce that runs (a variable incremented beside it in the
-    traced step, so it counts executions, not tracings)."""
+    traced step, so it counts executions, not tracings); a new count on each call."""
     import horovod.tensorflow
     import tensorflow as tf
 
-    count = tf.Variable(0, dtype=tf.int64, trainable=False)
-    grouped_allreduce = horovod.tensorflow.grouped_allreduce
+    _counter["variable"] = tf.Variable(0, dtype=tf.int64, trainable=False)
+    if "wrapped" not in _counter:
+        grouped_allreduce = _counter["wrapped"] = horovod.tensorflow.grouped_allreduce
 
-    def counted(*args, **kwargs):
-        count.assign_add(1)
-        return grouped_allreduce(*args, **kwargs)
+        def counted(*args, **kwargs):
+            _counter["variable"].assign_add(1)  # the run's own, read when its step is traced
+            return grouped_allreduce(*args, **kwargs)
 
-    horovod.tensorflow.grouped_allreduce = counted
-    return count
+        horovod.tensorflow.grouped_allreduce = counted
+    return _counter["variable"]
 
 
 def optimizer_options(hvd, model, options):
@@ -85,7 +92,7 @@ def make_model_without_input():
                              keras.layers.Activation("softmax", dtype="float32")])
 
 
-def main():
+def parse(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("--module", default="tfdist.horovod.keras")
@@ -97,8 +104,24 @@ def main():
     parser.add_argument("--mixed_float16_inf_at", type=int)
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--as_horovod_docs", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--variants", help="JSON: {name: [args, ...]}, run in turn")
+    return parser.parse_args(argv)
 
+
+def main():
+    args = parse(sys.argv[1:])
+    if args.variants is None:
+        train(args)
+        return
+    import keras
+
+    for name, variant in json.loads(args.variants).items():
+        keras.backend.clear_session()
+        os.makedirs(os.path.join(args.out_dir, name), exist_ok=True)
+        train(parse([os.path.join(args.out_dir, name), *variant]))
+
+
+def train(args):
     hvd = importlib.import_module(args.module)
     import keras
     import tensorflow as tf
@@ -106,8 +129,7 @@ def main():
     hvd.init()
     allreduces = count_grouped_allreduces()
     inf_at = args.mixed_float16_inf_at
-    if inf_at is not None:
-        keras.config.set_dtype_policy("mixed_float16")
+    keras.config.set_dtype_policy("float32" if inf_at is None else "mixed_float16")
     features, labels = reference.examples(
         GLOBAL_BATCH * STEPS * args.backward_passes,
         inf_at=None if inf_at is None else inf_at * GLOBAL_BATCH + 1)  # odd: rank 1's shard

@@ -7,6 +7,7 @@ one_device:
         [--optimizer sgd|adam] [--steps N] [--seed_by_rank] [--precision P] \
         [--inf_at_step S] [--without broadcast|average|agreement] [--set KEY=VALUE] \
         [--embedding] [--bare]
+    mpirun -np 2 python tests/scripts/horovod_training.py OUT_DIR --variants JSON
 
 Each rank writes OUT_DIR/rank<R>.npz (final weights) and OUT_DIR/rank<R>.json: rank,
 iterations, history (as fit returned it), local_history (each rank's own values,
@@ -19,6 +20,10 @@ other config keys) is passed to the config. --embedding puts an Embedding layer
 (sparse gradients) in front of the model. --fits N calls fit N times, epochs / N each.
 --without drops one of tfdist's Horovod callbacks, or the agreement on skipped steps, to
 show what it is for. --bare trains with Horovod's own Keras integration instead of tfdist.
+
+--variants '{"NAME": [ARGS...], ...}' trains every variant in turn in this one launch,
+each as if its ARGS were given alone, into OUT_DIR/NAME: starting TensorFlow and Horovod
+costs a launch more than training one of these small runs does.
 """
 
 import argparse
@@ -85,7 +90,7 @@ def count_reductions(optimizer):
     return reductions
 
 
-def main():
+def parse(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("--optimizer", default="sgd")
@@ -99,8 +104,21 @@ def main():
     parser.add_argument("--embedding", action="store_true")
     parser.add_argument("--fits", type=int, default=1, help="split the epochs over this many fits")
     parser.add_argument("--bare", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--variants", help="JSON: {name: [args, ...]}, trained in turn")
+    return parser.parse_args(argv)
 
+
+def main():
+    args = parse(sys.argv[1:])
+    if args.variants is None:
+        train(args)
+        return
+    for name, variant in json.loads(args.variants).items():
+        keras.backend.clear_session()
+        train(parse([os.path.join(args.out_dir, name), *variant]))
+
+
+def train(args):
     import tensorflow as tf
 
     features, labels = examples(args.steps, args.inf_at_step, args.embedding)
