@@ -13,7 +13,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+import json
+import os
+from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
@@ -100,3 +102,28 @@ def largest_difference(weights: Sequence[np.ndarray], expected: Sequence[np.ndar
     assert len(weights) == len(expected)
     return max(float(np.max(np.abs(np.asarray(a, "float64") - np.asarray(b, "float64"))))
                for a, b in zip(weights, expected))
+
+
+def run_variants(parse: Callable[[list[str]], Any], train: Callable[[Any], None],
+                 argv: list[str]) -> None:
+    """A rank script's main: `train(parse(argv))`, or with `--variants '{"NAME": [ARGS...]}'`
+    each variant in turn, as if its ARGS were given alone, into OUT_DIR/NAME.
+
+    Starting TensorFlow and Horovod on 2 ranks costs more CPU than training one small
+    variant, so a test module trains all of its variants in one launch.
+
+    Args:
+        parse: The script's argument parser: a list of arguments, OUT_DIR first, to the
+            parsed arguments (with `out_dir` and `variants`).
+        train: The script's run for one set of parsed arguments.
+        argv: The script's arguments.
+    """
+    args = parse(argv)
+    if args.variants is None:
+        train(args)
+        return
+    for name, variant in json.loads(args.variants).items():
+        keras.backend.clear_session()
+        out_dir = os.path.join(args.out_dir, name)
+        os.makedirs(out_dir, exist_ok=True)
+        train(parse([out_dir, *variant]))

@@ -109,13 +109,7 @@ def parse(argv):
 
 
 def main():
-    args = parse(sys.argv[1:])
-    if args.variants is None:
-        train(args)
-        return
-    for name, variant in json.loads(args.variants).items():
-        keras.backend.clear_session()
-        train(parse([os.path.join(args.out_dir, name), *variant]))
+    reference.run_variants(parse, train, sys.argv[1:])
 
 
 def train(args):
