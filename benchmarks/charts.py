@@ -100,6 +100,19 @@ def plot_all(results: dict[str, dict], plots_dir: str) -> dict[str, str]:
         axes.set_xticks(result["workers"], [str(n) for n in result["workers"]])
         axes.legend(fontsize=7, loc="lower left")
         save("projection", figure)
+    if ok("zero"):
+        result = results["zero"]
+        settings = result["settings"]
+        figure, (state, rss) = plt.subplots(1, 2, figsize=(8, 3.6))
+        labels = list(settings)
+        state.bar(labels, [max(r["state_bytes"] for r in settings[key]) / 2**20
+                           for key in labels])
+        state.set(ylabel="optimizer MB per rank", xlabel="ranks x zero_stage",
+                  title="Optimizer state (Adam, 50 M parameters)")
+        rss.bar(labels, [max(r["maxrss_mb"] for r in settings[key]) for key in labels])
+        rss.set(ylabel="peak resident MB per rank", xlabel="ranks x zero_stage",
+                title="Peak memory")
+        save("zero", figure)
     plt.close("all")
     return plots
 

@@ -18,6 +18,7 @@ import tensorflow as tf
 import tfdist
 from tfdist.cluster import detect_cluster
 from tfdist.files import writable_folder
+from tfdist.sharding import sharded_optimizer
 from tests.conftest import TFDIST, run_command
 
 TWO_REPLICAS = {"strategy": "mirrored", "mirrored.cpu_replicas": 2}
@@ -146,6 +147,20 @@ CASES = [
          "checkpoint_dir /proc/nope is not a folder this process can write in"),
     Case("a model made outside runner.scope() (Python only)", None,
          fit_model_made_outside_the_scope, "the model was created outside runner.scope()"),
+    Case("zero_stage 3", ["--zero_stage=3"],
+         lambda d: tfdist.load_config(overrides={"zero_stage": 3}),
+         "zero_stage must be 0, 1 or 2"),
+    Case("zero_stage under mirrored", ["--strategy=mirrored", "--zero_stage=1"],
+         lambda d: runner({"strategy": "mirrored", "zero_stage": 1}),
+         "zero_stage 1 cannot run under strategy mirrored: Keras's optimizer under "
+         "tf.distribute creates each slot as one mirrored variable"),
+    Case("zero_stage under parameter_server", ["--strategy=parameter_server", "--zero_stage=2"],
+         lambda d: runner({"strategy": "parameter_server", "zero_stage": 2}),
+         "zero_stage 2 cannot run under strategy parameter_server: its variables and their "
+         "optimizer state live on the parameter servers already"),
+    Case("zero_stage 2 with an optimizer that is not element-wise (Python only)", None,
+         lambda d: sharded_optimizer(keras.optimizers.Lamb(0.01), None, stage=2),
+         "Lamb is not one of them: use zero_stage 1"),
     Case("malformed --set (CLI only)", ["--set", "epochs"], None, "--set expects KEY=VALUE"),
     Case("unknown flag (CLI only)", ["--strategyy=mirrored"], None,
          "Unknown command line flag 'strategyy'"),

@@ -71,6 +71,8 @@ def test_env_reports_versions_devices_and_the_auto_choice(tmp_path):
     assert report["auto"]["strategy"] in {s.value for s in tfdist.Strategy}
     assert report["auto"]["why"]
     assert "mirrored" in report["strategies_available"]
+    assert report["zero_stage"]["strategies"] == ["one_device", "horovod"]
+    assert "strategy horovod" in report["zero_stage"]["refused"]["mirrored"]
     patches = {patch["name"]: patch for patch in report["patches"]["all"]}
     assert report["patches"]["active"] == []  # nothing is applied until an adapter is built
     assert patches["keras.variables.atomic_assign_add"]["applied_by"] == ["parameter_server"]
@@ -109,6 +111,8 @@ def test_env_without_json_is_a_short_summary_for_a_person(tmp_path):
     assert "TensorFlow 2.21" in lines[0]
     assert "cluster     TF_CONFIG: worker:1 of 2 tasks" in lines
     assert "auto        strategy multi_worker (TF_CONFIG names 2 workers)" in lines
+    assert ("zero_stage  1 and 2 under one_device, horovod (one_device: nothing to shard); "
+            "refused by the others") in lines
     assert lines[-1] == "the full report, as JSON: tfdist env --json"
 
 

@@ -221,6 +221,9 @@ class Config:
         precision: Keras dtype policy. None means the strategy's default:
             `mixed_bfloat16` on TPU, `float32` elsewhere.
         accumulation_steps: Micro-batches whose gradients make one optimizer update.
+        zero_stage: Sharded training state (ZeRO): 0 (every rank holds all of it), 1
+            (each rank holds the optimizer state of its share of the variables) or 2
+            (also only its slice of the averaged gradients); see `tfdist.sharding`.
         seed: Seeds Python, NumPy and TensorFlow when set, so runs repeat.
         one_device, mirrored, multi_worker, tpu, horovod, parameter_server: Options of
             those strategies.
@@ -245,6 +248,10 @@ class Config:
         1, "Micro-batches per optimizer update: gradients of this many steps are summed on "
            "each replica and applied (and reduced across replicas) once, as one batch this "
            "many times larger.")
+    zero_stage: int = _field(
+        0, "Sharded training state (ZeRO), under horovod: 0 every rank holds all of the "
+           "optimizer state; 1 each holds 1/N of it (its variables'); 2 also receives only its "
+           "slice of the averaged gradients (element-wise optimizers: SGD, Adam, AdamW, ...).")
     seed: int | None = _field(None, "Seed for Python, NumPy and TensorFlow. Unset: not seeded.")
     one_device: OneDeviceConfig = _field(OneDeviceConfig(), "Options of one_device.")
     mirrored: MirroredConfig = _field(MirroredConfig(), "Options of mirrored.")
@@ -429,6 +436,8 @@ def _validate(config: Config) -> None:
 
     require(config.accumulation_steps >= 1, "accumulation_steps", config.accumulation_steps,
             "an integer >= 1 (micro-batches per optimizer update; 1 means no accumulation)")
+    require(config.zero_stage in (0, 1, 2), "zero_stage", config.zero_stage,
+            "0, 1 or 2 (0: no sharding; 1: optimizer state; 2: optimizer state and gradients)")
     if config.seed is not None:
         require(config.seed >= 0, "seed", config.seed, "a non-negative integer, or unset")
     mirrored = config.mirrored

@@ -6,6 +6,7 @@ Importing this module defines, on absl's global `FLAGS`:
     --strategy NAME            strategy
     --precision NAME           precision
     --accumulation_steps N     accumulation_steps
+    --zero_stage N             zero_stage
     --checkpoint_dir DIR       checkpoint.dir
     --set KEY=VALUE            any config key, dotted for nested; repeatable
 
@@ -45,6 +46,7 @@ STRATEGY = flags.DEFINE_string("strategy", None, field_help("strategy"))
 PRECISION = flags.DEFINE_string("precision", None, field_help("precision"))
 ACCUMULATION_STEPS = flags.DEFINE_integer("accumulation_steps", None,
                                           field_help("accumulation_steps"))
+ZERO_STAGE = flags.DEFINE_integer("zero_stage", None, field_help("zero_stage"))
 CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None, field_help("checkpoint.dir"))
 SET = flags.DEFINE_multi_string(
     "set", [], "KEY=VALUE for any config key, dotted for nested fields "
@@ -52,7 +54,8 @@ SET = flags.DEFINE_multi_string(
 
 # Named flags and the config keys they set; they win over --set.
 _NAMED = {"strategy": "strategy", "precision": "precision",
-          "accumulation_steps": "accumulation_steps", "checkpoint_dir": "checkpoint.dir"}
+          "accumulation_steps": "accumulation_steps", "zero_stage": "zero_stage",
+          "checkpoint_dir": "checkpoint.dir"}
 
 
 def config_from_flags(flag_values: flags.FlagValues | None = None) -> Config:

@@ -193,7 +193,7 @@ class Runner:
                                   f"as keras.optimizers.Adam(1e-3) or 'adam' ({error}). "
                                   f"Received: {optimizer!r}") from None
             if not optimizer.built and int(optimizer.iterations.numpy()) == 0:
-                optimizer = type(optimizer).from_config(optimizer.get_config())
+                optimizer = _recreated(optimizer)
             loss_scale_options = {}
             if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
                 # The user's own loss scaling keeps its settings, but goes outermost,
@@ -335,6 +335,12 @@ class Runner:
 
             runner.run_elastic(train)
         """
+        if self.config.zero_stage:
+            raise ConfigError(f"run_elastic cannot re-partition sharded training state when ranks "
+                              f"leave or join; set zero_stage 0 for elastic training, or keep "
+                              f"zero_stage with a fixed number of ranks and checkpoints. "
+                              f"Received: zero_stage={self.config.zero_stage}")
+
         def train_with(state: Any) -> Any:
             # runner.callbacks() inside `train` commits to `state`.
             self._elastic_state = state
@@ -377,6 +383,16 @@ class Runner:
             return None
         return atomic_write_text(os.path.join(os.fspath(directory), "config.yaml"),
                                  self.config.to_yaml())
+
+
+def _recreated(optimizer: Any) -> Any:
+    """A new optimizer of `optimizer`'s class and config, in the current strategy's scope,
+    with its weight-decay exclusions (`exclude_from_weight_decay`, not in the config)."""
+    made = type(optimizer).from_config(optimizer.get_config())
+    for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+        if getattr(optimizer, name, None) is not None:
+            setattr(made, name, getattr(optimizer, name))
+    return made
 
 
 _warned_untrusted = False

@@ -303,14 +303,15 @@ def test_bare_horovod_keras_fails_on_keras_3(tmp_path):
     assert "'Variable' object has no attribute 'ref'" in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("launcher, precision", [
-    ("mpirun", "float32"), ("horovodrun", "mixed_bfloat16")])
+@pytest.mark.parametrize("launcher, precision, zero_stage", [
+    ("mpirun", "float32", 0), ("horovodrun", "mixed_bfloat16", 2)])
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_tfdist_train_under_a_launcher(launcher, precision, tmp_path):
+def test_tfdist_train_under_a_launcher(launcher, precision, zero_stage, tmp_path):
+    # Sharded state under horovodrun: its reduce-scatter and all-gather over Gloo.
     train = [TFDIST, "train", "--strategy=horovod", f"--precision={precision}",
-             "--set", "train.epochs=3"]
+             f"--zero_stage={zero_stage}", "--set", "train.epochs=3"]
     if launcher == "mpirun":
         command = mpirun(*train)
     else:
@@ -322,6 +323,7 @@ def test_tfdist_train_under_a_launcher(launcher, precision, tmp_path):
     summary = json.loads((tmp_path / "tfdist_output" / "result.json").read_text())
     assert (summary["strategy"], summary["replicas"], summary["precision"]) == (
         "horovod", 2, precision)
+    assert summary["zero_stage"] == zero_stage
     assert summary["accuracy"] > 0.85
 
 

@@ -50,10 +50,18 @@ class Adapter(abc.ABC):
     # Whether the strategy trains in a single process; such a strategy is refused in a
     # process a launcher started as one of several (`check_single_process`).
     single_process: bool = False
+    # Why this strategy cannot shard training state (`zero_stage` 1 or 2), for the one
+    # line that refuses it; None where it can (`wrap_optimizer` shards then).
+    zero_refusal: str | None = "it does not shard training state; use strategy horovod"
 
     def __init__(self, config: Config, cluster: ClusterInfo):
         self.config = config
         self.cluster = cluster
+        if config.zero_stage and self.zero_refusal:
+            name = config.strategy.value
+            raise ConfigError(f"zero_stage {config.zero_stage} cannot run under strategy {name}: "
+                              f"{self.zero_refusal}. Received: strategy={name}, "
+                              f"zero_stage={config.zero_stage}")
         if self.single_process:
             check_single_process(config.strategy.value, cluster)
 

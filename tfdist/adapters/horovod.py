@@ -31,13 +31,14 @@ from typing import Any, Callable, Iterator, Sequence
 import keras
 import tensorflow as tf
 
+from tfdist import sharding
 from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_function,
                                   check_global_batch_size)
 from tfdist.cluster import ClusterInfo, set_default_environment
 from tfdist.config import Compression, Config, Reduction
 from tfdist.errors import ConfigError
 from tfdist.horovod import collectives, elastic
-from tfdist.horovod.collectives import AverageMetrics, BroadcastState
+from tfdist.horovod.collectives import AverageMetrics, BroadcastState, ShardCollectives
 from tfdist.optimizers import GradientReducingOptimizer
 from tfdist.patches import HOROVOD
 from tfdist.resume.preemption import StopAgreement, VotedStop
@@ -55,6 +56,8 @@ def import_horovod() -> ModuleType:
 
 class HorovodAdapter(Adapter):
     """One rank per device; gradients averaged with Horovod's collectives."""
+
+    zero_refusal = None
 
     patches = HOROVOD
 
@@ -198,6 +201,10 @@ class HorovodAdapter(Adapter):
             # data structures").
             optimizer = type(optimizer).from_config({**config, "learning_rate": schedule})
             self._scaled_rates.append(schedule)
+        if self.config.zero_stage:
+            collectives = ShardCollectives(self.hvd, self.gradient_reduce_fn(),
+                                           before_update=self._ride_vote)
+            return sharding.sharded_optimizer(optimizer, collectives, self.config.zero_stage)
         return GradientReducingOptimizer(optimizer, reduce_fn=self.gradient_reduce_fn())
 
     def gradient_reduce_fn(self) -> Callable[[list[Any]], list[Any]]:
@@ -207,23 +214,33 @@ class HorovodAdapter(Adapter):
               Reduction.ADASUM: hvd.Adasum}[options.op]
         compression = {Compression.NONE: hvd.Compression.none,
                        Compression.FP16: hvd.Compression.fp16}[options.compression]
+        # Under zero_stage the ranks' steps differ, and so do the scopes TensorFlow names
+        # their ops in: Horovod must match the ranks' gradients by their own names.
         reduce = collectives.gradient_allreduce(hvd, op=op, compression=compression,
                                                 sparse_as_dense=options.sparse_as_dense,
-                                                grouped=options.grouped)
-        stop_flag, stop_votes = self._stop_vote
+                                                grouped=options.grouped,
+                                                ignore_name_scope=bool(self.config.zero_stage))
 
         def allreduce(grads: list[Any]) -> list[Any]:
-            # Read when the step is traced. With preemption handling (see
-            # `stop_agreement`), the vote rides along: Horovod negotiates it in the same
-            # cycle as the gradients, so it adds no round trip, only its own small cost.
-            if self._voting:
-                stop_votes.assign(hvd.allreduce(stop_flag.read_value(), op=hvd.Sum,
-                                                name="tfdist_stop_vote"))
-            else:
-                self._traced_without_vote = True
+            self._ride_vote()
             return reduce(grads)
 
         return allreduce
+
+    def _ride_vote(self) -> None:
+        """Where the gradients are reduced: this step's preemption vote, if there is one.
+
+        Read when the step is traced. With preemption handling (see `stop_agreement`),
+        the vote rides along: Horovod negotiates it in the same cycle as the gradients,
+        so it adds no round trip, only its own small cost.
+        """
+        if self._voting:
+            stop_flag, stop_votes = self._stop_vote
+            stop_votes.assign(self.hvd.allreduce(stop_flag.read_value(), op=self.hvd.Sum,
+                                                 name="tfdist_stop_vote",
+                                                 ignore_name_scope=True))
+        else:
+            self._traced_without_vote = True
 
     @functools.cached_property
     def _stop_vote(self) -> tuple[tf.Variable, tf.Variable]:
@@ -241,7 +258,7 @@ class HorovodAdapter(Adapter):
 
         def all_ranks_finite(finite: Any) -> Any:
             votes = hvd.allreduce(tf.cast(finite, tf.int32), op=hvd.Min,
-                                  name="tfdist_all_ranks_finite")
+                                  name="tfdist_all_ranks_finite", ignore_name_scope=True)
             return tf.cast(votes, tf.bool)
 
         return all_ranks_finite

@@ -24,6 +24,12 @@ from tfdist.patches import tensorflow_distribute
 class MirroredAdapter(Adapter):
     """`tf.distribute.MirroredStrategy` over configured, detected or logical CPU devices."""
 
+    zero_refusal = ("Keras's optimizer under tf.distribute creates each slot as one mirrored "
+                    "variable and updates it in one cross-replica step, the same on every "
+                    "replica, so no replica can hold a partition of its own; shard with one "
+                    "process per device: strategy horovod (mpirun -np N ... --strategy "
+                    "horovod)")
+
     single_process = True
 
     patches_while_building = (tensorflow_distribute.MIRRORED_COLLECTIVE_KEYS,)

@@ -53,6 +53,12 @@ _SHARD_POLICIES = {
 class MultiWorkerAdapter(Adapter):
     """Builds `MultiWorkerMirroredStrategy` from the detected or configured cluster."""
 
+    zero_refusal = ("Keras's optimizer under tf.distribute creates each slot as one mirrored "
+                    "variable and updates it in one cross-replica step, the same on every "
+                    "replica, so no replica can hold a partition of its own; shard with one "
+                    "process per device: strategy horovod (mpirun -np N ... --strategy "
+                    "horovod)")
+
     patches = MULTI_WORKER
     patches_while_building = (tensorflow_distribute.MULTI_WORKER_CPU_REPLICAS,)
     _barriers = 0  # Barriers passed so far; each gets a name of its own.

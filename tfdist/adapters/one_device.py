@@ -18,6 +18,8 @@ from tfdist.adapters.base import Adapter, check_device
 class OneDeviceAdapter(Adapter):
     """Trains on `one_device.device`, or on the first GPU, or on the CPU."""
 
+    zero_refusal = None  # One replica: nothing to shard, so zero_stage changes nothing.
+
     single_process = True
 
     def create_strategy(self) -> tf.distribute.Strategy:

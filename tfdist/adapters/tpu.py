@@ -45,6 +45,9 @@ def resolver_arguments(options: TPUConfig, cluster: ClusterInfo) -> dict[str, st
 class TPUAdapter(Adapter):
     """Connects to the TPU, initialises its system, and builds a `TPUStrategy`."""
 
+    zero_refusal = ("tfdist shards training state with Horovod's collectives, which do not "
+                    "run on TPU; set zero_stage 0")
+
     def create_strategy(self) -> tf.distribute.Strategy:
         arguments = resolver_arguments(self.config.tpu, self.cluster)
         try:

@@ -266,6 +266,7 @@ def _env(as_json: bool = False) -> None:
         "horovod": _horovod_build(),
         "auto": {"strategy": strategy.value, "why": reason,
                  "precision": precision.name, "precision_why": precision.reason},
+        "zero_stage": _zero_stages(),
         "bfloat16_probe": _bfloat16_probe(cluster),
         "patches": _patches(),
     }
@@ -309,6 +310,8 @@ def _env_summary(report: dict, cluster: Any) -> str:
         f"            precision {auto['precision']} ({auto['precision_why']})",
         f"strategies  {', '.join(report['strategies_available'])}",
         f"horovod     {horovod_line}",
+        f"zero_stage  1 and 2 under {', '.join(report['zero_stage']['strategies'])} "
+        f"(one_device: nothing to shard); refused by the others",
         f"patches     {len(patches['all'])} known, {len(patches['active'])} active in this "
         f"process (each with its upstream issue: --json)",
         "the full report, as JSON: tfdist env --json",
@@ -361,6 +364,18 @@ def _bug_present(patch: Any) -> bool | None:
         return patch.bug_present()
     except ImportError:
         return None
+
+
+def _zero_stages() -> dict:
+    """Where sharded training state (`zero_stage` 1, 2) runs, and why the others refuse it."""
+    from tfdist import registry
+
+    adapters = {name: registry.get(name) for name in registry.available()}
+    return {"stages": [0, 1, 2],
+            "strategies": [name for name, adapter in adapters.items()
+                           if adapter.zero_refusal is None],
+            "refused": {name: adapter.zero_refusal for name, adapter in adapters.items()
+                        if adapter.zero_refusal is not None}}
 
 
 def _horovod_build() -> dict:

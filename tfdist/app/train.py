@@ -23,6 +23,7 @@ from tfdist.config import Config, OptimizerName, TrainConfig
 from tfdist.errors import ConfigError
 from tfdist.files import atomic_write_text, writable_folder
 from tfdist.runner import Runner
+from tfdist.sharding import state_bytes
 
 
 def build_reference_model(num_features: int, num_classes: int, hidden_units: int = 128,
@@ -102,6 +103,9 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
         "replicas": runner.num_replicas,
         "precision": runner.precision.name,
         "accumulation_steps": runner.config.accumulation_steps,
+        "zero_stage": runner.config.zero_stage,
+        # This process's optimizer state (its partition under zero_stage 1 or 2).
+        "optimizer_state_bytes": state_bytes(model.optimizer),
         "epochs": job.epochs,
         "global_batch_size": job.global_batch_size,  # one forward pass: the micro-batch
         "effective_batch_size": job.global_batch_size * runner.config.accumulation_steps,

@@ -24,6 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import sharding
 from tfdist.errors import ConfigError
 
 
@@ -47,7 +48,8 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
                        sparse_as_dense: bool = False, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0, process_set: Any = None,
                        device_dense: str = "", device_sparse: str = "",
-                       grouped: bool = True) -> Callable[[list[Any]], list[Any]]:
+                       grouped: bool = True,
+                       ignore_name_scope: bool = False) -> Callable[[list[Any]], list[Any]]:
     """The allreduce of a list of gradients: one grouped call, or one call per gradient.
 
     Args:
@@ -65,6 +67,9 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
             False: one `allreduce` per gradient, each started as soon as its gradient
             is computed, which Horovod's fusion buffer batches per cycle. Adasum is
             always per gradient.
+        ignore_name_scope: Name each op by its gradient alone, without the scopes of the
+            functions it runs in, which differ between ranks whose steps differ (each
+            updating its own partition of sharded state).
 
     Returns:
         A function of a list of gradients (no None) that returns their reductions,
@@ -74,7 +79,8 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
     process_set = process_set or hvd.global_process_set
     as_dense = sparse_as_dense or op == hvd.Adasum
     scaling = dict(prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                   device_dense=device_dense, device_sparse=device_sparse)
+                   device_dense=device_dense, device_sparse=device_sparse,
+                   ignore_name_scope=ignore_name_scope)
 
     def allreduce(grads: list[Any]) -> list[Any]:
         if as_dense:
@@ -93,11 +99,55 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
     return allreduce
 
 
+class ShardCollectives(sharding.ShardCollectives):
+    """The collectives of sharded training state (`tfdist.sharding`), with Horovod's ops.
+
+    Each op has a fixed name, without the name scope: the ranks' train steps differ
+    (each updates its own partition, so TensorFlow numbers their scopes differently), and
+    Horovod matches the ranks' tensors by name.
+
+    Args:
+        hvd: The `horovod.tensorflow` module, initialised.
+        average: The gradient all-reduce of stage 1 (the adapter's, with its options).
+        before_update: Called where the gradients are reduced at stage 2 (the adapter's
+            preemption vote rides there).
+
+    Example:
+
+        collectives = ShardCollectives(hvd, gradient_allreduce(hvd, op=hvd.Average))
+        optimizer = sharding.sharded_optimizer(keras.optimizers.Adam(), collectives, stage=2)
+    """
+
+    def __init__(self, hvd: ModuleType, average: Callable[[list[Any]], list[Any]],
+                 before_update: Callable[[], None] | None = None):
+        self._hvd = hvd
+        self._average = average
+        self._before_update = before_update
+        self.rank, self.size = hvd.rank(), hvd.size()
+
+    def average(self, grads: list[Any]) -> list[Any]:
+        return self._average(grads)
+
+    def average_slice(self, flat: tf.Tensor) -> tf.Tensor:
+        if self._before_update is not None:
+            self._before_update()
+        return self._hvd.reducescatter(flat, op=self._hvd.Average, name="tfdist_zero_gradients",
+                                       ignore_name_scope=True)
+
+    def concatenate(self, flat: tf.Tensor) -> tf.Tensor:
+        return self._hvd.allgather(flat, name="tfdist_zero_weights", ignore_name_scope=True)
+
+    def sum(self, values: tf.Tensor) -> tf.Tensor:
+        return self._hvd.allreduce(values, op=self._hvd.Sum, name="tfdist_zero_norms",
+                                   ignore_name_scope=True)
+
+
 class BroadcastState(keras.callbacks.Callback):
     """Copies one rank's weights and optimizer state to every rank before each fit's first step.
 
-    Replica-local variables (each rank's gradient accumulators) and the variables
-    in `local_variables` are left as they are.
+    Replica-local variables (each rank's gradient accumulators), a sharded
+    optimizer's partition (`tfdist.sharding`: each rank's own) and the variables in
+    `local_variables` are left as they are.
 
     Before the first step, not at its end as Horovod's Keras 2 callback did, so the
     first gradients are computed on the same weights everywhere; and at the first
@@ -137,11 +187,14 @@ class BroadcastState(keras.callbacks.Callback):
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
         state = list(self.model.weights) + (list(optimizer.variables) if optimizer else [])
+        sharded = sharding.find_sharded(optimizer)
+        local = self._local | {id(tf_variable(variable)) for variable in (
+            sharded.sharded_variables if sharded is not None else ())}
         # Replica-local state (gradient accumulators) is each rank's own by design: a
         # fit that starts in the middle of an accumulation cycle must keep it.
         shared = [variable for variable in map(tf_variable, state)
                   if variable.synchronization != tf.VariableSynchronization.ON_READ
-                  and id(variable) not in self._local]
+                  and id(variable) not in local]
         self._hvd.broadcast_variables(shared, root_rank=self.root_rank)
 
 

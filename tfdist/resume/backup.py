@@ -43,9 +43,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import keras
 from absl import logging
 
+from tfdist import sharding
 from tfdist.errors import ClusterError, ConfigError
 from tfdist.resume.checkpointing import (FORMAT_VERSION, CheckpointStore, TrainingPosition,
                                          checkpoint_number, read_partially)
+from tfdist.resume import sharded_state
 from tfdist.resume.preemption import RESTART_EXIT_CODE, PreemptionWatch, StopAgreement
 from tfdist.resume.run_identity import differences, identity, read_identity, record_identity
 from tfdist.resume.shuffling import EpochShuffle, PipelineReplay
@@ -120,6 +122,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._saved_global_step = -1
         self._saved_at: tuple[int, int, int] | None = None
         self._boundary = 0
+        self._sharded: Any = None  # The optimizer, when it shards its state (tfdist.sharding).
         self._train_function: Any = None  # Keras's, while the skipping one stands in.
         self._saved_variables: list[Any] = []
 
@@ -130,6 +133,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         objects = _saved_objects(model, self._position)
+        self._sharded = sharding.find_sharded(model.optimizer)
         if self.directory:
             self._store = CheckpointStore(self.directory, objects,
                                           is_writer=self._adapter.is_chief, keep=self.keep)
@@ -222,6 +226,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if path is None:
             logging.info("tfdist: no checkpoint in %s; training from the start", self.directory)
             return
+        self._restore_shards(number)
         self._position.reload()
         if self._position.format_version > FORMAT_VERSION:
             raise ConfigError(f"checkpoint {path} was written by a newer tfdist (format "
@@ -236,6 +241,22 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         self._put_back_metrics = put_back
         self._resume(f"resuming from {path}")
+
+    def _restore_shards(self, number: int) -> None:
+        """Each rank's partition of the optimizer state, from every rank's shard files."""
+        if self._sharded is None:
+            if number in sharded_state.numbers(self.directory):
+                raise ConfigError(f"checkpoint {number} in {self.directory} holds sharded "
+                                  f"optimizer state (saved with zero_stage 1 or 2), which "
+                                  f"zero_stage 0 would leave unrestored; resume it with "
+                                  f"zero_stage 1 or 2. Received: checkpoint_dir="
+                                  f"{self.directory!r}")
+            return
+        reader = sharded_state.ShardReader(self.directory, number)
+        try:
+            self._sharded.load_shard_state(reader.read)
+        finally:
+            reader.close()
 
     def _check_same_run(self) -> None:
         """Refuses to resume a folder another run made; records this run's identity."""
@@ -344,6 +365,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         position.record()
         with self._adapter.prepare_checkpoint(self._saved_variables):
             if self._store is not None:
+                if self._sharded is not None:
+                    # Every rank's partition is on disk before the checkpoint that names it.
+                    sharded_state.write_shard(self.directory, position.global_step,
+                                              self._sharded.shard_rank, self._sharded.shard_ranks,
+                                              self._sharded.shard_state())
+                    self._adapter.barrier("tfdist_shards_written")
                 path = self._store.save(position.global_step)
                 logging.info("tfdist: saved %s (%s)", path, position.describe())
             if self._elastic is not None:
@@ -352,6 +379,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         # A slow writer (the chief, say) must not leave the others waiting in a collective
         # long enough to time out: everyone leaves the save together.
         self._adapter.barrier("tfdist_saved")
+        if self._sharded is not None and self._store is not None and self._adapter.is_chief:
+            sharded_state.remove_other_than(self.directory, map(
+                checkpoint_number, self._store.candidates()))
         if self._elastic is not None:
             # Horovod's driver may have announced new ranks: every rank raises here at
             # the same commit, and the elastic loop resets.

@@ -44,6 +44,10 @@ class ParameterServerAdapter(Adapter):
             this strategy does not support.
     """
 
+    zero_refusal = ("its variables and their optimizer state live on the parameter servers "
+                    "already, split among them, not replicated on the workers; set "
+                    "zero_stage 0")
+
     patches = PARAMETER_SERVER
 
     def __init__(self, config: Config, cluster: ClusterInfo):

@@ -1,0 +1,160 @@
+"""Trains the reference model with sharded training state (zero_stage) on every Horovod rank.
+
+Run by tests under `mpirun -np 2` or `-np 3`:
+
+    mpirun -np 2 python tests/scripts/zero_training.py OUT_DIR --stage 2 --optimizer adam_clip \
+        [--steps N] [--epochs N] [--accumulation K] [--precision P] [--inf_at_step S] \
+        [--model embedding|dense] [--checkpoint_dir DIR] [--save_every_steps N] \
+        [--kill_at_step N] [--save_model]
+    mpirun -np 2 python tests/scripts/zero_training.py OUT_DIR --variants JSON
+
+Each rank writes OUT_DIR/rank<R>.npz (final weights) and OUT_DIR/rank<R>.json: rank, ranks,
+iterations, state_bytes (its optimizer's variables), the partition it updates, the
+largest variable's bytes, loss_scale (mixed_float16). With --save_model the chief saves
+OUT_DIR/model.keras after fit; with --stage 0 each rank also writes its optimizer's
+variables (the user's optimizer's, inside tfdist's wrappers) to OUT_DIR/optimizer<R>.npz.
+--kill_at_step N SIGKILLs rank 1 when N steps in all are done (after the checkpoint of
+step N, if one is due). --inf_at_step S puts an inf into the last rank's slice of step S.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tests import reference  # noqa: E402
+
+GLOBAL_BATCH = 48  # Divides by 2 and by 3 ranks.
+
+
+def optimizers():
+    """The optimizers the tests shard, by name (each made fresh)."""
+    def adamw():
+        optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        return optimizer
+
+    return {
+        # Clipping that acts: the gradients' global norm is about 0.5 here.
+        "adam_clip": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1),
+        "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
+        "adamw": adamw,
+        "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        "adam_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "lamb": lambda: keras.optimizers.Lamb(0.01),
+    }
+
+
+def make_model(kind):
+    """The reference model with an Embedding (sparse gradients), or one Dense layer (2
+    variables: a third rank owns none at stage 1)."""
+    if kind == "embedding":
+        return reference.make_model(embedding=True)
+    return keras.Sequential([keras.Input((reference.FEATURES,)),
+                             keras.layers.Dense(reference.CLASSES, name="out"),
+                             keras.layers.Activation("softmax", dtype="float32")])
+
+
+def initial_weights(kind):
+    keras.utils.set_random_seed(11)
+    return [weight.copy() for weight in make_model(kind).get_weights()]
+
+
+def examples(kind, steps, inf_at_step=None):
+    inf_at = None if inf_at_step is None else (inf_at_step + 1) * GLOBAL_BATCH - 1
+    return reference.examples(steps * GLOBAL_BATCH, embedding=kind == "embedding",
+                              inf_at=inf_at)
+
+
+class KillAt(keras.callbacks.Callback):
+    """SIGKILLs this process when `step` steps in all are done (placed after the checkpoint's
+    callback, so a save due at that step is written first)."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step, self.done = step, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done += 1
+        if self.done == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--optimizer", default="adam_clip", choices=sorted(optimizers()))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--precision", default="float32")
+    parser.add_argument("--inf_at_step", type=int)
+    parser.add_argument("--model", default="embedding", choices=["embedding", "dense"])
+    parser.add_argument("--checkpoint_dir")
+    parser.add_argument("--save_every_steps", type=int, default=0)
+    parser.add_argument("--kill_at_step", type=int)
+    parser.add_argument("--save_model", action="store_true")
+    parser.add_argument("--variants", help="JSON: {name: [args, ...]}, trained in turn")
+    return parser.parse_args(argv)
+
+
+def train(args):
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist.sharding import find_sharded, state_bytes
+
+    runner = tfdist.Runner(tfdist.load_config(overrides={
+        "strategy": "horovod", "precision": args.precision, "zero_stage": args.stage,
+        "accumulation_steps": args.accumulation}))
+    import horovod.tensorflow as hvd
+
+    rank, ranks = hvd.rank(), hvd.size()
+    with runner.scope():
+        model = make_model(args.model)
+        model.set_weights(initial_weights(args.model))
+        model.compile(runner.optimizer(optimizers()[args.optimizer]()),
+                      "sparse_categorical_crossentropy")
+    features, labels = examples(args.model, args.steps, args.inf_at_step)
+    data = runner.dataset(tf.data.Dataset.from_tensor_slices((features, labels)),
+                          GLOBAL_BATCH // args.accumulation)
+    callbacks = runner.callbacks(checkpoint_dir=args.checkpoint_dir,
+                                 save_every_steps=args.save_every_steps)
+    if args.kill_at_step and rank == 1:
+        callbacks.append(KillAt(args.kill_at_step))
+    model.fit(data, epochs=args.epochs, callbacks=callbacks, verbose=0)
+    optimizer = model.optimizer
+    sharded = find_sharded(optimizer)
+    report = {"rank": rank, "ranks": ranks, "iterations": int(optimizer.iterations.numpy()),
+              "state_bytes": state_bytes(optimizer),
+              "largest_variable_bytes": max(int(np.prod(v.shape)) * 4
+                                            for v in model.trainable_variables),
+              "partition": [] if sharded is None else [
+                  [p.variable, p.start, p.stop] for p in sharded.partition]}
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        report["loss_scale"] = float(optimizer.dynamic_scale.numpy())
+    os.makedirs(args.out_dir, exist_ok=True)
+    np.savez(os.path.join(args.out_dir, f"rank{rank}.npz"), *model.get_weights())
+    if args.stage == 0:
+        users = optimizer
+        while hasattr(users, "inner_optimizer"):  # The user's Adam inside tfdist's wrappers.
+            users = users.inner_optimizer
+        np.savez(os.path.join(args.out_dir, f"optimizer{rank}.npz"),
+                 *[v.numpy() for v in users.variables])
+    if args.save_model and rank == 0:
+        model.save(os.path.join(args.out_dir, "model.keras"))
+    # Each rank its own file: the ranks' standard outputs interleave under mpirun.
+    with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as stream:
+        json.dump(report, stream)
+
+
+if __name__ == "__main__":
+    reference.run_variants(parse, train, sys.argv[1:])

@@ -1,0 +1,128 @@
+"""Sharded training state in one process: the partition, the refusals, one_device.
+
+The ranks' training is in `tests/adapters/test_zero.py` (real processes under mpirun).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist.sharding import ELEMENT_WISE, ShardLayout, check_stage, state_bytes
+from tests import reference
+
+
+def covered(layout, ranks):
+    """Each variable's elements, counted over every rank's pieces."""
+    counts = [np.zeros(size, int) for size in layout.sizes]
+    for rank in range(ranks):
+        for piece in layout.pieces(rank):
+            counts[piece.variable][piece.start:piece.stop] += 1
+    return counts
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_every_element_is_updated_by_exactly_one_rank(stage, ranks):
+    layout = ShardLayout([320, 1024, 16, 48, 3], ranks, stage)
+    assert all(np.all(count == 1) for count in covered(layout, ranks))
+
+
+def test_stage_2_cuts_one_flat_buffer_into_equal_slices():
+    layout = ShardLayout([320, 1024, 16, 48, 3], 3, 2)  # 1411 elements: 3 x 471, 2 padding
+    assert [layout.slice_size(rank) for rank in range(3)] == [471] * 3
+    assert [sum(p.stop - p.start for p in layout.pieces(rank)) for rank in range(3)] == [
+        471, 471, 469]
+    # The variable a slice boundary cuts is updated in parts; the others whole, in place.
+    assert [(p.variable, p.start, p.stop, p.whole) for p in layout.pieces(0)] == [
+        (0, 0, 320, True), (1, 0, 151, False)]
+
+
+def test_stage_1_deals_whole_variables_largest_first_to_the_least_loaded():
+    sizes = [320, 1024, 16, 48, 3]
+    for ranks in (2, 3):
+        layout = ShardLayout(sizes, ranks, 1)
+        loads = [sum(p.stop for p in layout.pieces(rank)) for rank in range(ranks)]
+        assert all(p.whole for rank in range(ranks) for p in layout.pieces(rank))
+        assert max(loads) <= sum(sizes) / ranks + max(sizes)
+    assert [p.variable for p in ShardLayout(sizes, 2, 1).pieces(0)] == [1]
+
+
+def test_a_rank_can_own_nothing():
+    assert ShardLayout([24, 3], 3, 1).pieces(2) == []          # two variables, three ranks
+    assert ShardLayout([1, 1], 3, 2).pieces(2) == []           # two elements, three ranks
+
+
+@pytest.mark.parametrize("name", ["Lamb", "Adafactor", "Muon"])
+def test_stage_2_refuses_optimizers_that_are_not_element_wise(name):
+    optimizer = getattr(keras.optimizers, name)(0.01)
+    with pytest.raises(tfdist.ConfigError, match="use zero_stage 1"):
+        check_stage(2, optimizer)
+    check_stage(1, optimizer)  # Whole variables: any optimizer.
+
+
+def test_stage_2_takes_the_element_wise_optimizers():
+    for name in ELEMENT_WISE:
+        check_stage(2, getattr(keras.optimizers, name)(0.01))
+
+
+def test_a_subclass_that_may_change_the_update_is_refused_at_stage_2():
+    class MyAdam(keras.optimizers.Adam):
+        pass
+
+    with pytest.raises(tfdist.ConfigError, match="MyAdam is not one of them"):
+        check_stage(2, MyAdam(0.01))
+
+
+def test_zero_stage_is_0_1_or_2():
+    assert tfdist.load_config().zero_stage == 0
+    with pytest.raises(tfdist.ConfigError, match="zero_stage must be 0, 1 or 2"):
+        tfdist.load_config(overrides={"zero_stage": 3})
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "multi_worker", "parameter_server", "tpu"])
+def test_strategies_that_cannot_shard_refuse_with_the_reason(strategy):
+    with pytest.raises(tfdist.ConfigError) as error:
+        tfdist.Runner(tfdist.load_config(overrides={"strategy": strategy, "zero_stage": 1}))
+    message = str(error.value)
+    assert message.startswith(f"zero_stage 1 cannot run under strategy {strategy}: ")
+    assert "\n" not in message
+    if strategy in ("mirrored", "multi_worker"):
+        assert "strategy horovod" in message
+
+
+def test_one_device_is_a_no_op():
+    runs = {}
+    for stage in (0, 2):
+        keras.backend.clear_session()
+        runner = tfdist.Runner(tfdist.load_config(overrides={
+            "strategy": "one_device", "zero_stage": stage}))
+        with runner.scope():
+            model = reference.make_model(embedding=True)
+            model.set_weights(reference.initial_weights(embedding=True))
+            model.compile(runner.optimizer(keras.optimizers.Adam(0.01)),
+                          "sparse_categorical_crossentropy")
+        data = tf.data.Dataset.from_tensor_slices(reference.examples(96, embedding=True))
+        model.fit(runner.dataset(data, 32), epochs=1, verbose=0)
+        runs[stage] = (model.get_weights(), state_bytes(model.optimizer))
+    assert runs[0][1] == runs[2][1]
+    assert reference.largest_difference(runs[2][0], runs[0][0]) == 0.0
+
+
+def test_elastic_training_is_refused():
+    runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device",
+                                                         "zero_stage": 1}))
+    with pytest.raises(tfdist.ConfigError, match="run_elastic cannot re-partition"):
+        runner.run_elastic(lambda: None)
+
+
+def test_weight_decay_exclusions_survive_the_runner():
+    # runner.optimizer re-creates the optimizer from its config, which does not hold them.
+    runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device"}))
+    optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    made = runner.optimizer(optimizer)
+    bias = keras.Variable(np.ones(3, "float32"), name="bias")
+    kernel = keras.Variable(np.ones(3, "float32"), name="kernel")
+    assert not made._use_weight_decay(bias) and made._use_weight_decay(kernel)

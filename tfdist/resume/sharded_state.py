@@ -1,0 +1,149 @@
+"""Each rank's partition of the optimizer state on disk, read back by any number of ranks.
+
+Under `zero_stage` 1 or 2 (`tfdist.sharding`) no process holds the whole optimizer
+state, so the chief's checkpoint holds what every rank holds alike (weights, step,
+learning rate), and each rank writes its partition beside it:
+`shards/ckpt-<step>.rank<R>-of-<N>.npz`, one array per slot of each piece of a
+variable it updates, named by (variable, slot, element range). A rank writes its
+file atomically (a temporary file and a rename) before the chief's checkpoint is
+written, so a checkpoint the store names always has its shards.
+
+Reading, a rank takes each of its pieces' elements from whichever files hold them,
+so a run resumes on another number of ranks, or at the other stage, re-partitioned.
+
+Example:
+
+    write_shard("ckpt", 40, rank=0, ranks=2, state=optimizer.shard_state())
+    reader = ShardReader("ckpt", 40)        # every rank's files of checkpoint 40
+    optimizer.load_shard_state(reader.read)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from typing import Iterable
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+
+FOLDER = "shards"
+_NAME = re.compile(r"ckpt-(\d+)\.rank(\d+)-of-(\d+)\.npz$")
+
+State = Iterable[tuple[int, str, int, int, np.ndarray]]
+
+
+def shard_path(directory: str, number: int, rank: int, ranks: int) -> str:
+    """Where rank `rank` of `ranks` keeps its partition of checkpoint `number`."""
+    return os.path.join(directory, FOLDER, f"ckpt-{number}.rank{rank}-of-{ranks}.npz")
+
+
+def write_shard(directory: str, number: int, rank: int, ranks: int, state: State) -> str:
+    """Writes one rank's partition: (variable, slot, start, stop, flat values) entries.
+
+    Returns:
+        The path written.
+    """
+    index, arrays = [], {}
+    for position, (variable, slot, start, stop, values) in enumerate(state):
+        index.append([variable, slot, start, stop])
+        arrays[f"a{position}"] = values
+    buffer = io.BytesIO()
+    np.savez(buffer, index=np.array(json.dumps(index)), **arrays)
+    path = shard_path(directory, number, rank, ranks)
+    tf.io.gfile.makedirs(os.path.dirname(path))
+    temporary = f"{path}.tmp{os.getpid()}"
+    with tf.io.gfile.GFile(temporary, "wb") as stream:
+        stream.write(buffer.getvalue())
+    tf.io.gfile.rename(temporary, path, overwrite=True)
+    return path
+
+
+def numbers(directory: str) -> set[int]:
+    """The checkpoint numbers that have shard files."""
+    folder = os.path.join(directory, FOLDER)
+    if not tf.io.gfile.isdir(folder):
+        return set()
+    return {int(match.group(1)) for match in map(_NAME.match, tf.io.gfile.listdir(folder))
+            if match}
+
+
+def remove_other_than(directory: str, kept: Iterable[int]) -> None:
+    """Deletes the shard files of checkpoints not in `kept` (the store deleted those)."""
+    kept = set(kept)
+    folder = os.path.join(directory, FOLDER)
+    if not tf.io.gfile.isdir(folder):
+        return
+    for name in tf.io.gfile.listdir(folder):
+        match = _NAME.match(name)
+        if match and int(match.group(1)) not in kept:
+            tf.io.gfile.remove(os.path.join(folder, name))
+
+
+class ShardReader:
+    """Every rank's partition of one checkpoint, read by element range.
+
+    Args:
+        directory: The checkpoint folder.
+        number: The checkpoint's number (its global step).
+
+    Raises:
+        ConfigError: the checkpoint has no shard files, or not all of its ranks'.
+    """
+
+    def __init__(self, directory: str, number: int):
+        folder = os.path.join(directory, FOLDER)
+        names = tf.io.gfile.listdir(folder) if tf.io.gfile.isdir(folder) else []
+        found = {int(m.group(2)): (int(m.group(3)), os.path.join(folder, name))
+                 for name in names if (m := _NAME.match(name)) and int(m.group(1)) == number}
+        ranks = {count for count, _ in found.values()}
+        if not found:
+            raise ConfigError(f"checkpoint {number} in {directory} has no sharded optimizer "
+                              f"state (it was saved with zero_stage 0); resume it with zero_stage "
+                              f"0, or start in an empty checkpoint_dir. "
+                              f"Received: checkpoint_dir={directory!r}")
+        if len(ranks) != 1 or sorted(found) != list(range(next(iter(ranks)))):
+            raise ConfigError(f"checkpoint {number} in {directory} lacks the shard files of some "
+                              f"ranks (found ranks {sorted(found)}); resume from an older "
+                              f"checkpoint by moving this one away. "
+                              f"Received: checkpoint_dir={directory!r}")
+        self._pieces: dict[tuple[int, str], list[tuple[int, int, str, str]]] = {}
+        self._files = {}
+        for rank, (_, path) in sorted(found.items()):
+            # Members are read when asked for: a rank reads only the ranges it updates.
+            archive = np.load(tf.io.gfile.GFile(path, "rb"))
+            self._files[path] = archive
+            for position, (variable, slot, start, stop) in enumerate(
+                    json.loads(str(archive["index"]))):
+                self._pieces.setdefault((variable, slot), []).append(
+                    (start, stop, path, f"a{position}"))
+
+    def read(self, variable: int, slot: str, start: int, stop: int) -> np.ndarray:
+        """Elements [start, stop) of slot `slot` of variable `variable`, flattened.
+
+        Raises:
+            ConfigError: the checkpoint does not hold all of them (another model).
+        """
+        out, covered = None, 0
+        for low, high, path, key in self._pieces.get((variable, slot), []):
+            lo, hi = max(low, start), min(high, stop)
+            if lo < hi:
+                values = self._files[path][key]
+                if out is None:
+                    out = np.zeros([stop - start], values.dtype)
+                out[lo - start:hi - start] = values[lo - low:hi - low]
+                covered += hi - lo
+        if out is None or covered != stop - start:
+            raise ConfigError(f"the sharded optimizer state of this checkpoint does not cover "
+                              f"slot {slot!r} of variable {variable} (elements {start}-{stop}): "
+                              f"it was saved for another model or optimizer; resume with the "
+                              f"same ones")
+        return out
+
+    def close(self) -> None:
+        for archive in self._files.values():
+            archive.close()

@@ -1,0 +1,541 @@
+"""Sharded training state (ZeRO stages 1 and 2): each rank holds 1/N of the optimizer state.
+
+Every data-parallel rank keeps the whole model, but only its partition of the
+optimizer's state (Adam's moments, momentum, EMA averages), as DeepSpeed's ZeRO
+and PyTorch's `ZeroRedundancyOptimizer` do:
+
+- **Stage 1**: the variables are dealt out whole to the ranks, largest first to
+  the least loaded, so a rank holds at most the mean plus the largest variable.
+  The gradients are averaged across ranks as without sharding; each rank applies
+  the user's optimizer to the variables it owns, and the updated weights reach
+  every rank in one all-gather. Any optimizer works, since every variable is
+  updated whole.
+- **Stage 2**: all gradients form one flat buffer, padded to N equal slices; a
+  reduce-scatter gives each rank the averaged slice it updates, and an all-gather
+  of the updated slices gives every rank the new weights: the bytes of one
+  all-reduce. A variable cut by a slice boundary is updated in parts, so only
+  optimizers whose update is element-wise qualify (`ELEMENT_WISE`).
+
+`sharded_optimizer(optimizer, collectives, stage)` returns an optimizer of the
+user's own class (a subclass with the same name and module, so a saved model
+loads in plain Keras), whose `build` creates state for the rank's partition only
+and whose `apply` does the above. Clipping sees all gradients (the norms are summed
+across ranks), weight decay and its exclusions, EMA, schedules and `iterations`
+behave as on one device, and `optimizer.variables` lists the rank's share.
+
+Example:
+
+    optimizer = sharded_optimizer(keras.optimizers.Adam(1e-3), collectives, stage=2)
+    model.compile(optimizer, "mse")    # each rank holds 1/N of Adam's moments
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+from tfdist.patches.keras_optimizer import sum_repeated_rows
+
+# Optimizers whose update of an element depends only on that element's gradient and
+# state (and on scalars such as the step), so that a slice of a variable updates as
+# the whole does. LAMB (a per-variable trust ratio), Adafactor (factored second
+# moments) and Muon (orthogonalised matrices) are not.
+ELEMENT_WISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam",
+                "Lion", "Ftrl")
+
+
+class ShardCollectives:
+    """What sharding needs from a communicator; `tfdist.horovod.collectives` implements it.
+
+    Every method runs inside the traced train step, on every rank, in the same order.
+
+    Attributes:
+        rank: This rank.
+        size: The number of ranks.
+    """
+
+    rank: int
+    size: int
+
+    def average(self, grads: list[Any]) -> list[Any]:
+        """The gradients (tensors or `tf.IndexedSlices`) averaged across ranks."""
+        raise NotImplementedError
+
+    def average_slice(self, flat: tf.Tensor) -> tf.Tensor:
+        """Rank r's equal slice of `flat` (1-D, a multiple of `size` long), averaged."""
+        raise NotImplementedError
+
+    def concatenate(self, flat: tf.Tensor) -> tf.Tensor:
+        """Every rank's `flat` (1-D, any length) concatenated in rank order."""
+        raise NotImplementedError
+
+    def sum(self, values: tf.Tensor) -> tf.Tensor:
+        """`values` summed across ranks."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of trainable variable `variable`, flattened."""
+
+    variable: int
+    start: int
+    stop: int
+    whole: bool
+
+
+class ShardLayout:
+    """Which rank updates which elements, and where they sit in the gathered buffer.
+
+    Args:
+        sizes: Elements of each trainable variable, in order.
+        ranks: The number of ranks.
+        stage: 1 (whole variables, balanced by size) or 2 (flat equal slices).
+
+    Example:
+
+        layout = ShardLayout([6, 2, 4], ranks=2, stage=2)
+        layout.pieces(1)      # [Piece(1, 0, 2, True), Piece(2, 0, 4, True)]... by slice
+    """
+
+    def __init__(self, sizes: Sequence[int], ranks: int, stage: int):
+        self.sizes = [int(size) for size in sizes]
+        self.ranks = ranks
+        self.stage = stage
+        total = sum(self.sizes)
+        offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
+        if stage == 1:
+            owners = _balanced_owners(self.sizes, ranks)
+            self._pieces = [[Piece(index, 0, size, True) for index, size in enumerate(self.sizes)
+                             if owners[index] == rank] for rank in range(ranks)]
+            self._slices = [sum(piece.stop for piece in pieces) for pieces in self._pieces]
+            self.position = [0] * len(self.sizes)
+            where = 0
+            for pieces in self._pieces:  # The gathered buffer: rank 0's variables, rank 1's...
+                for piece in pieces:
+                    self.position[piece.variable] = where
+                    where += piece.stop
+        else:
+            width = max(1, math.ceil(total / ranks))
+            self._slices = [width] * ranks
+            self.position = offsets[:-1]
+            self._pieces = []
+            for rank in range(ranks):
+                low, high = rank * width, (rank + 1) * width
+                self._pieces.append([
+                    Piece(index, max(low, offsets[index]) - offsets[index],
+                          min(high, offsets[index + 1]) - offsets[index],
+                          low <= offsets[index] and offsets[index + 1] <= high)
+                    for index in range(len(self.sizes))
+                    if max(low, offsets[index]) < min(high, offsets[index + 1])])
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The elements rank `rank` updates, in the order of its gathered contribution."""
+        return self._pieces[rank]
+
+    def slice_size(self, rank: int) -> int:
+        """Elements rank `rank` contributes to the gathered buffer (padding included)."""
+        return self._slices[rank]
+
+    def slice_start(self, rank: int) -> int:
+        """Where rank `rank`'s contribution starts in the gathered buffer."""
+        return sum(self._slices[:rank])
+
+
+def _balanced_owners(sizes: Sequence[int], ranks: int) -> list[int]:
+    """Each variable's rank: largest first, to the rank holding the fewest elements so far
+    (ties to the lower rank). No rank then holds more than the mean plus the largest."""
+    owners = [0] * len(sizes)
+    loads = [(0, rank) for rank in range(ranks)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[index] = rank
+        heapq.heappush(loads, (load + sizes[index], rank))
+    return owners
+
+
+class _Shard:
+    """What a built sharded optimizer knows of its partition (a plain object, untracked)."""
+
+    def __init__(self, variables: list[Any], layout: ShardLayout, owned: list[Piece]):
+        self.variables = variables  # The model's trainable variables, in order.
+        self.layout = layout
+        self.owned = owned  # This rank's pieces.
+        self.targets: list[Any] = []  # What the update writes, one per piece.
+        self.slots: dict[tuple[int, str], Any] = {}  # (piece, slot name) -> variable.
+        self.slot_names: list[str] = []
+        self.plain: list[tuple[Any, ...]] = []  # `_plain_order` of the unsharded optimizer.
+        self.recording = False
+        self.saved_state: tuple[int, Any] | None = None  # (step, whole state) on the chief.
+        with tf.init_scope():
+            self.sink = tf.Variable(0.0, trainable=False, name="tfdist_zero_sink")
+            self.zero = tf.Variable(0.0, trainable=False, name="tfdist_zero")
+
+
+class _ShardedMixin:
+    """Sharding, placed before the user's optimizer class in a subclass of it."""
+
+    _collectives: ShardCollectives
+    zero_stage: int
+
+    def build(self, var_list: Sequence[Any]) -> None:
+        variables = list(var_list)
+        dtypes = sorted({keras.backend.standardize_dtype(v.dtype) for v in variables})
+        if len(dtypes) > 1:
+            raise ConfigError(f"zero_stage {self.zero_stage} shards variables of one dtype, but "
+                              f"this model trains {', '.join(dtypes)} variables; use one "
+                              f"variable dtype (a mixed_* policy keeps them float32), or "
+                              f"zero_stage 0. Received: {dtypes}")
+        layout = ShardLayout([int(np.prod(v.shape)) for v in variables],
+                             self._collectives.size, self.zero_stage)
+        # A plain object: the optimizer's attribute tracking would list the variables in it
+        # (the model's among them) as the optimizer's own.
+        self._shard = _Shard(variables, layout, layout.pieces(self._collectives.rank))
+        # A piece that is a whole variable is updated in place; a part of one is updated in
+        # a copy, refreshed from the variable before every update (the variable stays the
+        # truth: a broadcast or a restore changes it under the optimizer).
+        with tf.init_scope():
+            self._shard.targets = [variables[piece.variable] if piece.whole else keras.Variable(
+                tf.reshape(variables[piece.variable], [-1])[piece.start:piece.stop],
+                name=variables[piece.variable].name, trainable=True)
+                for piece in self._shard.owned]
+        excluded = [target for piece, target in zip(self._shard.owned, self._shard.targets)
+                    if not piece.whole and not self._use_weight_decay(variables[piece.variable])]
+        if excluded and getattr(self, "weight_decay", None) is not None:
+            self._exclude_from_weight_decay = set(getattr(
+                self, "_exclude_from_weight_decay", set())) | {self._var_key(v) for v in excluded}
+            self._exclude_from_weight_decay_cache = {}
+        self._shard.recording = True
+        try:
+            super().build(self._shard.targets)
+        finally:
+            self._shard.recording = False
+        self._shard.plain = _plain_order(type(self).__mro__[2], self.get_config(), len(variables))
+        self._shard.slot_names = list(dict.fromkeys(entry[2] for entry in self._shard.plain
+                                                    if entry[0] == "slot"))
+
+    def add_variable_from_reference(self, reference_variable: Any, name: str | None = None,
+                                    initializer: str = "zeros") -> Any:
+        variable = super().add_variable_from_reference(reference_variable, name=name,
+                                                       initializer=initializer)
+        shard = getattr(self, "_shard", None)
+        if shard is not None and shard.recording:
+            index = next(i for i, target in enumerate(self._shard.targets)
+                         if target is reference_variable)
+            self._shard.slots[(index, name or "var")] = variable
+        return variable
+
+    @property
+    def sharded_variables(self) -> list[Any]:
+        """The state this rank holds for its partition alone (other ranks hold the rest)."""
+        shard = getattr(self, "_shard", None)
+        return [] if shard is None else list(shard.slots.values())
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank, in the partition."""
+        return self._collectives.rank
+
+    @property
+    def shard_ranks(self) -> int:
+        """The number of ranks the state is partitioned over."""
+        return self._collectives.size
+
+    @property
+    def partition(self) -> list[Piece]:
+        """The elements this rank updates."""
+        return list(self._shard.owned)
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        grads = list(grads)
+        if self.zero_stage == 1:
+            mine = self._stage1_gradients(grads)
+        else:
+            mine = self._stage2_gradients(grads)
+        for piece, target in zip(self._shard.owned, self._shard.targets):
+            if not piece.whole:
+                variable = self._shard.variables[piece.variable]
+                target.assign(tf.reshape(variable, [-1])[piece.start:piece.stop])
+        if self._shard.owned:
+            super().apply(mine, self._shard.targets)
+        else:
+            self.iterations.assign_add(1)
+        self._gather_weights()
+
+    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
+        """At the end of `fit` (every rank): EMA weights if asked, and the whole state to
+        the chief, for `model.save()`."""
+        if not self.built:
+            return
+        if getattr(self, "use_ema", False):
+            if self._shard.owned:
+                self._overwrite_model_variables_with_average_value(self._shard.targets)
+            self._gather_weights()
+        # `model.save()` runs on the chief alone, where no collective can: the chief keeps
+        # the whole state as of the end of this fit, in host memory (the others drop it).
+        full = self.gather_full_state()
+        self._shard.saved_state = (int(self.iterations.numpy()),
+                                   full if self._collectives.rank == 0 else None)
+
+    def save_own_variables(self, store: Any) -> None:
+        """Writes the whole state, as the unsharded optimizer lists it (plain Keras loads it).
+
+        Raises:
+            ConfigError: not the chief, or the state changed since the end of the last fit.
+        """
+        step = int(self.iterations.numpy())
+        if not self.built or self._shard.saved_state is None or self._shard.saved_state[1] is None \
+                or self._shard.saved_state[0] != step:
+            raise ConfigError(f"a zero_stage {self.zero_stage} optimizer holds 1/N of its state "
+                              f"on each rank, gathered to rank 0 at the end of each fit: save "
+                              f"the model on rank 0 after fit returns (checkpoints during fit: "
+                              f"runner.callbacks(checkpoint_dir=...)). Received: rank "
+                              f"{self._collectives.rank}, step {step}")
+        full = self._shard.saved_state[1]
+        sharded = {id(v) for v in self.sharded_variables}
+        others = [v for v in self.variables if id(v) not in sharded]
+        for position, entry in enumerate(self._shard.plain):
+            store[str(position)] = (full[(entry[1], entry[2])] if entry[0] == "slot"
+                                    else others[entry[1]].numpy())
+
+    def _stage1_gradients(self, grads: list[Any]) -> list[Any]:
+        present = [i for i, grad in enumerate(grads) if grad is not None]
+        averaged = self._collectives.average([grads[i] for i in present]) if present else []
+        for i, grad in zip(present, averaged):
+            grads[i] = grad
+        if getattr(self, "global_clipnorm", None):
+            squares = [tf.reduce_sum(tf.square(_values(sum_repeated_rows(grads[i]))))
+                       for i in present]
+            scale = self._global_scale(tf.add_n(squares) if squares else tf.constant(0.0))
+            grads = [None if g is None else _scaled(g, scale) for g in grads]
+        if averaged:
+            # Every rank must join the all-reduce of every gradient, its own or not, but
+            # TensorFlow prunes an op whose result nothing reads (a control dependency did
+            # not keep it), and the ranks would wait for each other for ever: a variable
+            # reads one element of each.
+            parts = [part for grad in averaged for part in (
+                (grad.values, grad.indices) if isinstance(grad, tf.IndexedSlices) else (grad,))]
+            self._shard.sink.assign(tf.add_n([
+                tf.reduce_sum(tf.cast(tf.reshape(part, [-1])[:1], tf.float32)) for part in parts]))
+        return [grads[piece.variable] for piece in self._shard.owned]
+
+    def _stage2_gradients(self, grads: list[Any]) -> list[Any]:
+        variables, layout = self._shard.variables, self._shard.layout
+        dtype = variables[0].dtype if variables else tf.float32
+        flat = [tf.zeros([size], dtype) if grad is None else
+                tf.reshape(tf.cast(tf.convert_to_tensor(grad), dtype), [-1])
+                for grad, size in zip(grads, layout.sizes)]
+        padding = layout.slice_size(0) * layout.ranks - sum(layout.sizes)
+        mine = self._collectives.average_slice(tf.concat(flat + [tf.zeros([padding], dtype)], 0))
+        if getattr(self, "global_clipnorm", None):
+            mine = mine * self._global_scale(self._collectives.sum(tf.reduce_sum(tf.square(mine))))
+        start = layout.slice_start(self._collectives.rank)
+        pieces = [mine[layout.position[p.variable] + p.start - start:
+                       layout.position[p.variable] + p.stop - start] for p in self._shard.owned]
+        if getattr(self, "clipnorm", None):
+            # Each variable's norm, from the parts every rank holds of it.
+            squares = tf.math.unsorted_segment_sum(
+                tf.stack([tf.reduce_sum(tf.square(g)) for g in pieces] or [tf.zeros([], dtype)]),
+                [p.variable for p in self._shard.owned] or [0], len(variables))
+            norms = tf.sqrt(self._collectives.sum(squares))
+            pieces = [g * self.clipnorm / tf.maximum(norms[p.variable], self.clipnorm)
+                      for g, p in zip(pieces, self._shard.owned)]
+        return [tf.reshape(g, variables[p.variable].shape) if p.whole else g
+                for g, p in zip(pieces, self._shard.owned)]
+
+    def _global_scale(self, sum_of_squares: tf.Tensor) -> tf.Tensor:
+        """Keras's `clip_by_global_norm` factor (NaN when the norm is not finite)."""
+        norm = tf.sqrt(sum_of_squares)
+        clip = tf.cast(self.global_clipnorm, norm.dtype)
+        return clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+
+    def _gather_weights(self) -> None:
+        """Every rank's updated elements into every rank's variables."""
+        gathered = self._collectives.concatenate(self._contribution(self._shard.targets))
+        owned = {p.variable for p in self._shard.owned if p.whole}
+        for index, variable in enumerate(self._shard.variables):
+            if index not in owned:  # Updated in place already.
+                where, size = self._shard.layout.position[index], self._shard.layout.sizes[index]
+                variable.assign(tf.reshape(gathered[where:where + size], variable.shape))
+
+    def _contribution(self, values: Sequence[Any]) -> tf.Tensor:
+        """This rank's pieces of `values` (one per owned piece), flat and padded."""
+        dtype = self._shard.variables[0].dtype if self._shard.variables else tf.float32
+        flat = [tf.reshape(tf.cast(tf.convert_to_tensor(value), dtype), [-1]) for value in values]
+        rank = self._collectives.rank
+        padding = self._shard.layout.slice_size(rank) - sum(
+            p.stop - p.start for p in self._shard.owned)
+        # Zeros read from a variable, not a constant: a rank that owns nothing would
+        # contribute a constant, and TensorFlow would fold its gather into the constant it
+        # gives once, when the step is optimised; in the steps the rank would not join it.
+        zeros = tf.fill([padding], tf.cast(self._shard.zero.read_value(), dtype))
+        return tf.concat(flat + [zeros], 0)
+
+    # --- the whole state, and a rank's part of it -------------------------------------
+
+    def shard_state(self) -> list[tuple[int, str, int, int, np.ndarray]]:
+        """This rank's state: (variable, slot name, start, stop, flat values) for each slot
+        of each owned piece."""
+        return [(piece.variable, name, piece.start, piece.stop,
+                 np.reshape(self._shard.slots[(i, name)].numpy(), [-1]))
+                for i, piece in enumerate(self._shard.owned) for name in self._shard.slot_names
+                if (i, name) in self._shard.slots]
+
+    def load_shard_state(self, read: Any) -> None:
+        """Sets each owned slot from `read(variable, name, start, stop)` (flat values)."""
+        for (i, name), slot in self._shard.slots.items():
+            piece = self._shard.owned[i]
+            slot.assign(np.reshape(read(piece.variable, name, piece.start, piece.stop),
+                                   slot.shape))
+
+    def gather_full_state(self) -> dict[tuple[int, str], np.ndarray]:
+        """Every slot of every variable, whole, on every rank (a collective: all ranks call it)."""
+        full = {}
+        for name in self._shard.slot_names:
+            values = [self._shard.slots[(i, name)] for i in range(len(self._shard.owned))]
+            gathered = self._collectives.concatenate(self._contribution(values)).numpy()
+            for index, variable in enumerate(self._shard.variables):
+                where, size = self._shard.layout.position[index], self._shard.layout.sizes[index]
+                full[(index, name)] = gathered[where:where + size].reshape(variable.shape)
+        return full
+
+    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict[str, Any]:
+        # The chief writes the checkpoint: only what every rank holds alike (the step, the
+        # learning rate) goes in it. The partitions go to each rank's own shard file
+        # (`tfdist.resume.sharded_state`).
+        children = super()._trackable_children(save_type, **kwargs)
+        sharded = {id(v) for v in self.sharded_variables}
+        return {name: child for name, child in children.items()
+                if isinstance(child, keras.Variable) and id(child) not in sharded}
+
+
+def _values(gradient: Any) -> Any:
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def _scaled(gradient: Any, scale: Any) -> Any:
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * scale, gradient.indices, gradient.dense_shape)
+    return gradient * scale
+
+
+def _plain_order(base: type, config: dict[str, Any], count: int) -> list[tuple[Any, ...]]:
+    """What `base` (with `config`), built unsharded on `count` variables, lists in
+    `variables`, in order: ("slot", variable index, slot name) for a per-variable slot,
+    ("other", k) for its k-th other variable (the step, the learning rate)."""
+    made: dict[int, tuple[int, str]] = {}
+    stand_ins: list[Any] = []
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def add_variable_from_reference(self, reference_variable, name=None,
+                                        initializer="zeros"):
+            variable = super().add_variable_from_reference(reference_variable, name=name,
+                                                           initializer=initializer)
+            index = next(i for i, v in enumerate(stand_ins) if v is reference_variable)
+            made[id(variable)] = (index, name or "var")
+            return variable
+
+    with tf.init_scope():
+        # One element each: the order, not the sizes, is what is asked.
+        stand_ins.extend(keras.Variable(np.zeros((1,), "float32")) for _ in range(count))
+        plain = Recording.from_config(config)
+        plain.build(stand_ins)
+    order, others = [], 0
+    for variable in plain.variables:
+        if id(variable) in made:
+            order.append(("slot", *made[id(variable)]))
+        else:
+            order.append(("other", others))
+            others += 1
+    return order
+
+
+_classes: dict[type, type] = {}
+
+
+def _sharded_class(base: type) -> type:
+    """`base` with sharding first: the same name and module, so Keras saves it as `base`."""
+    if base not in _classes:
+        _classes[base] = type(base.__name__, (_ShardedMixin, base),
+                              {"__module__": base.__module__, "__qualname__": base.__qualname__,
+                               "__doc__": base.__doc__})
+    return _classes[base]
+
+
+def check_stage(stage: int, optimizer: keras.optimizers.Optimizer) -> None:
+    """Raises ConfigError for an optimizer the stage cannot shard exactly.
+
+    Args:
+        stage: 1 or 2.
+        optimizer: The user's optimizer.
+    """
+    name = type(optimizer).__name__
+    element_wise = (name in ELEMENT_WISE
+                    and type(optimizer).__module__.startswith("keras."))
+    if stage == 2 and not element_wise:
+        raise ConfigError(f"zero_stage 2 updates slices of variables, which only an element-wise "
+                          f"optimizer ({', '.join(ELEMENT_WISE)}) updates as the whole; "
+                          f"{name} is not one of them: use zero_stage 1, which updates every "
+                          f"variable whole. Received: optimizer={name}, zero_stage=2")
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ConfigError(f"zero_stage {stage} cannot shard Keras's own gradient_accumulation_"
+                          f"steps; set tfdist's accumulation_steps instead. Received: "
+                          f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps}")
+
+
+def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardCollectives,
+                      stage: int) -> keras.optimizers.Optimizer:
+    """`optimizer`'s class and config, holding and updating only this rank's partition.
+
+    Args:
+        optimizer: The user's Keras optimizer (not built yet; its config is taken).
+        collectives: The ranks' communicator.
+        stage: 1 (whole variables dealt out; gradients averaged) or 2 (flat slices;
+            gradients reduce-scattered).
+
+    Raises:
+        ConfigError: an optimizer that is not element-wise at stage 2 (`ELEMENT_WISE`).
+
+    Example:
+
+        optimizer = sharded_optimizer(keras.optimizers.AdamW(1e-3), collectives, stage=2)
+    """
+    check_stage(stage, optimizer)
+    sharded = _sharded_class(type(optimizer)).from_config(optimizer.get_config())
+    sharded._collectives = collectives
+    sharded.zero_stage = stage
+    for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+        if getattr(optimizer, name, None) is not None:  # Not in the config.
+            setattr(sharded, name, getattr(optimizer, name))
+    return sharded
+
+
+def state_bytes(optimizer: Any) -> int:
+    """Bytes of the state `optimizer` holds in this process (`optimizer.variables`).
+
+    Example:
+
+        state_bytes(model.optimizer)   # under zero_stage 2: about 1/N of zero_stage 0's
+    """
+    return sum(int(np.prod(v.shape)) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
+               for v in optimizer.variables)
+
+
+def find_sharded(optimizer: Any) -> Any:
+    """The sharded optimizer in a chain of tfdist's wrappers, or None."""
+    while optimizer is not None:
+        if isinstance(optimizer, _ShardedMixin):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
