@@ -37,14 +37,18 @@ EQUIVALENT = {
     "s1_sgd": (["--stage=1", "--optimizer=sgd_momentum"], "sgd_momentum"),
     "s2_sgd": (["--stage=2", "--optimizer=sgd_momentum"], "sgd_momentum"),
 }
+EQUIVALENT.update({
+    # Micro-batches of half the global batch, 2 per update: one device at the whole batch.
+    "s1_accumulate": (["--stage=1", "--optimizer=adam_clip", "--accumulation=2"], "adam_clip"),
+    "s2_accumulate": (["--stage=2", "--optimizer=adam_clip", "--accumulation=2"], "adam_clip"),
+})
 ONLY_ON_2 = {
     "s2_clipnorm": (["--stage=2", "--optimizer=adam_clipnorm"], "adam_clipnorm"),
     "s2_ema": (["--stage=2", "--optimizer=adam_ema"], "adam_ema"),
     "s1_lamb": (["--stage=1", "--optimizer=lamb"], "lamb"),
-    # Micro-batches of half the global batch, 2 per update: one device at the whole batch.
-    "s1_accumulate": (["--stage=1", "--optimizer=adam_clip", "--accumulation=2"], "adam_clip"),
-    "s2_accumulate": (["--stage=2", "--optimizer=adam_clip", "--accumulation=2"], "adam_clip"),
 }
+FP16_INF = (["--stage=2", "--optimizer=adam", "--model=dense", "--epochs=1",
+             "--precision=mixed_float16", "--inf_at_step=3"],)
 ONLY_ON_3 = {
     # The Dense model has 2 variables: rank 2 owns none at stage 1.
     "s1_owns_nothing": (["--stage=1", "--optimizer=adam", "--model=dense"], "adam"),
@@ -77,8 +81,7 @@ def two(tmp_path_factory):
     launch(out, {**EQUIVALENT, **ONLY_ON_2,
                  "s0_adam_clip": (["--stage=0", "--optimizer=adam_clip"],),
                  "s2_save": (["--stage=2", "--optimizer=adam_clip", "--save_model"],),
-                 "fp16_inf": (["--stage=2", "--optimizer=adam", "--model=dense", "--epochs=1",
-                               "--precision=mixed_float16", "--inf_at_step=3"],),
+                 "fp16_inf": FP16_INF,
                  "to_3": (["--stage=2", "--optimizer=adam_clip", "--epochs=1",
                            f"--checkpoint_dir={out / 'to_3_checkpoints'}"],)}, 2)
     return out
@@ -88,7 +91,7 @@ def two(tmp_path_factory):
 def three(two, tmp_path_factory):
     """The 3-rank runs, a resume of the 2-rank checkpoint, and a checkpoint for 2 ranks."""
     out = tmp_path_factory.mktemp("zero_3")
-    launch(out, {**EQUIVALENT, **ONLY_ON_3,
+    launch(out, {**EQUIVALENT, **ONLY_ON_3, "fp16_inf": FP16_INF,
                  "from_2": (["--stage=2", "--optimizer=adam_clip",
                              f"--checkpoint_dir={two / 'to_3_checkpoints'}"],),
                  "to_2": (["--stage=1", "--optimizer=adam_clip", "--epochs=1",
@@ -186,12 +189,14 @@ def test_each_rank_holds_its_share_of_the_state(two, three):
             assert sum(held) - (ranks - 1) * 12 == full, (stage, ranks, held, full)
 
 
-def test_mixed_float16_inf_on_one_rank_skips_the_step_on_all(two):
-    reports, weights = ranks_of(two / "fp16_inf", 2)
-    # 6 steps, the inf in rank 1's slice of step 3: 5 updates, the loss scale halved once.
-    assert [reports[r]["iterations"] for r in (0, 1)] == [5, 5]
-    assert [reports[r]["loss_scale"] for r in (0, 1)] == [2.0 ** 14] * 2
-    assert largest_difference(weights[0], weights[1]) == 0.0
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_mixed_float16_inf_on_one_rank_skips_the_step_on_all(two, three, ranks):
+    reports, weights = ranks_of((two if ranks == 2 else three) / "fp16_inf", ranks)
+    # 6 steps, the inf in the last rank's slice of step 3: 5 updates, the scale halved once.
+    assert [reports[r]["iterations"] for r in range(ranks)] == [5] * ranks
+    assert [reports[r]["loss_scale"] for r in range(ranks)] == [2.0 ** 14] * ranks
+    for rank in range(1, ranks):
+        assert largest_difference(weights[0], weights[rank]) == 0.0
     assert all(np.all(np.isfinite(array)) for array in weights[0])
 
 
