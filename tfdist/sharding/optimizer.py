@@ -1,39 +1,19 @@
-"""Sharded training state (ZeRO stages 1 and 2): each rank holds 1/N of the optimizer state.
+"""The sharded optimizer: the user's optimizer class, holding and updating one rank's partition.
 
-Every data-parallel rank keeps the whole model, but only its partition of the
-optimizer's state (Adam's moments, momentum, EMA averages), as DeepSpeed's ZeRO
-and PyTorch's `ZeroRedundancyOptimizer` do:
-
-- **Stage 1**: the variables are dealt out whole to the ranks, largest first to
-  the least loaded, so a rank holds at most the mean plus the largest variable.
-  The gradients are averaged across ranks as without sharding; each rank applies
-  the user's optimizer to the variables it owns, and the updated weights reach
-  every rank in one all-gather. Any optimizer works, since every variable is
-  updated whole.
-- **Stage 2**: all gradients form one flat buffer, padded to N equal slices; a
-  reduce-scatter gives each rank the averaged slice it updates, and an all-gather
-  of the updated slices gives every rank the new weights: the bytes of one
-  all-reduce. A variable cut by a slice boundary is updated in parts, so only
-  optimizers whose update is element-wise qualify (`ELEMENT_WISE`).
-
-`sharded_optimizer(optimizer, collectives, stage)` returns an optimizer of the
-user's own class (a subclass with the same name and module, so a saved model
-loads in plain Keras), whose `build` creates state for the rank's partition only
-and whose `apply` does the above. Clipping sees all gradients (the norms are summed
-across ranks), weight decay and its exclusions, EMA, schedules and `iterations`
-behave as on one device, and `optimizer.variables` lists the rank's share.
+`sharded_optimizer(opt, collectives, stage)` returns an optimizer of `opt`'s class (a
+subclass with the same name and module, so a saved model loads in plain Keras) whose
+`build` creates state for the rank's pieces only (`tfdist.sharding.layout`) and whose
+`apply` averages (stage 1) or reduce-scatters (stage 2) the gradients, updates the
+pieces, and all-gathers the weights.
 
 Example:
 
-    optimizer = sharded_optimizer(keras.optimizers.Adam(1e-3), collectives, stage=2)
-    model.compile(optimizer, "mse")    # each rank holds 1/N of Adam's moments
+    optimizer = sharded_optimizer(keras.optimizers.AdamW(1e-3), collectives, stage=2)
+    model.compile(optimizer, "mse")
 """
 
 from __future__ import annotations
 
-import dataclasses
-import heapq
-import math
 from typing import Any, Sequence
 
 import keras
@@ -42,6 +22,8 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.patches.keras_optimizer import sum_repeated_rows
+from tfdist.sharding.layout import Piece, ShardLayout
+from tfdist.sharding.state import plain_order
 
 # Optimizers whose update of an element depends only on that element's gradient and
 # state (and on scalars such as the step), so that a slice of a variable updates as
@@ -81,86 +63,6 @@ class ShardCollectives:
         raise NotImplementedError
 
 
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Elements [start, stop) of trainable variable `variable`, flattened."""
-
-    variable: int
-    start: int
-    stop: int
-    whole: bool
-
-
-class ShardLayout:
-    """Which rank updates which elements, and where they sit in the gathered buffer.
-
-    Args:
-        sizes: Elements of each trainable variable, in order.
-        ranks: The number of ranks.
-        stage: 1 (whole variables, balanced by size) or 2 (flat equal slices).
-
-    Example:
-
-        layout = ShardLayout([6, 2, 4], ranks=2, stage=2)
-        layout.pieces(1)      # [Piece(1, 0, 2, True), Piece(2, 0, 4, True)]... by slice
-    """
-
-    def __init__(self, sizes: Sequence[int], ranks: int, stage: int):
-        self.sizes = [int(size) for size in sizes]
-        self.ranks = ranks
-        self.stage = stage
-        total = sum(self.sizes)
-        offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
-        if stage == 1:
-            owners = _balanced_owners(self.sizes, ranks)
-            self._pieces = [[Piece(index, 0, size, True) for index, size in enumerate(self.sizes)
-                             if owners[index] == rank] for rank in range(ranks)]
-            self._slices = [sum(piece.stop for piece in pieces) for pieces in self._pieces]
-            self.position = [0] * len(self.sizes)
-            where = 0
-            for pieces in self._pieces:  # The gathered buffer: rank 0's variables, rank 1's...
-                for piece in pieces:
-                    self.position[piece.variable] = where
-                    where += piece.stop
-        else:
-            width = max(1, math.ceil(total / ranks))
-            self._slices = [width] * ranks
-            self.position = offsets[:-1]
-            self._pieces = []
-            for rank in range(ranks):
-                low, high = rank * width, (rank + 1) * width
-                self._pieces.append([
-                    Piece(index, max(low, offsets[index]) - offsets[index],
-                          min(high, offsets[index + 1]) - offsets[index],
-                          low <= offsets[index] and offsets[index + 1] <= high)
-                    for index in range(len(self.sizes))
-                    if max(low, offsets[index]) < min(high, offsets[index + 1])])
-
-    def pieces(self, rank: int) -> list[Piece]:
-        """The elements rank `rank` updates, in the order of its gathered contribution."""
-        return self._pieces[rank]
-
-    def slice_size(self, rank: int) -> int:
-        """Elements rank `rank` contributes to the gathered buffer (padding included)."""
-        return self._slices[rank]
-
-    def slice_start(self, rank: int) -> int:
-        """Where rank `rank`'s contribution starts in the gathered buffer."""
-        return sum(self._slices[:rank])
-
-
-def _balanced_owners(sizes: Sequence[int], ranks: int) -> list[int]:
-    """Each variable's rank: largest first, to the rank holding the fewest elements so far
-    (ties to the lower rank). No rank then holds more than the mean plus the largest."""
-    owners = [0] * len(sizes)
-    loads = [(0, rank) for rank in range(ranks)]
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        load, rank = heapq.heappop(loads)
-        owners[index] = rank
-        heapq.heappush(loads, (load + sizes[index], rank))
-    return owners
-
-
 class _Shard:
     """What a built sharded optimizer knows of its partition (a plain object, untracked)."""
 
@@ -171,7 +73,7 @@ class _Shard:
         self.targets: list[Any] = []  # What the update writes, one per piece.
         self.slots: dict[tuple[int, str], Any] = {}  # (piece, slot name) -> variable.
         self.slot_names: list[str] = []
-        self.plain: list[tuple[Any, ...]] = []  # `_plain_order` of the unsharded optimizer.
+        self.plain: list[tuple[Any, ...]] = []  # `plain_order` of the unsharded optimizer.
         self.recording = False
         self.saved_state: tuple[int, Any] | None = None  # (step, whole state) on the chief.
         with tf.init_scope():
@@ -217,7 +119,7 @@ class _ShardedMixin:
             super().build(self._shard.targets)
         finally:
             self._shard.recording = False
-        self._shard.plain = _plain_order(type(self).__mro__[2], self.get_config(), len(variables))
+        self._shard.plain = plain_order(type(self).__mro__[2], self.get_config(), len(variables))
         self._shard.slot_names = list(dict.fromkeys(entry[2] for entry in self._shard.plain
                                                     if entry[0] == "slot"))
 
@@ -284,9 +186,9 @@ class _ShardedMixin:
             self._gather_weights()
         # `model.save()` runs on the chief alone, where no collective can: the chief keeps
         # the whole state as of the end of this fit, in host memory (the others drop it).
-        full = self.gather_full_state()
-        self._shard.saved_state = (int(self.iterations.numpy()),
-                                   full if self._collectives.rank == 0 else None)
+        chief = self._collectives.rank == 0
+        full = self.gather_full_state(keep=chief)
+        self._shard.saved_state = (int(self.iterations.numpy()), full if chief else None)
 
     def save_own_variables(self, store: Any) -> None:
         """Writes the whole state, as the unsharded optimizer lists it (plain Keras loads it).
@@ -399,12 +301,22 @@ class _ShardedMixin:
             slot.assign(np.reshape(read(piece.variable, name, piece.start, piece.stop),
                                    slot.shape))
 
-    def gather_full_state(self) -> dict[tuple[int, str], np.ndarray]:
-        """Every slot of every variable, whole, on every rank (a collective: all ranks call it)."""
+    def gather_full_state(self, keep: bool = True) -> dict[tuple[int, str], np.ndarray]:
+        """Every slot of every variable, whole (a collective: every rank calls it).
+
+        One slot name at a time, in host memory (the CPU), so a rank holds at most one
+        whole slot beyond its partition while it runs.
+
+        Args:
+            keep: Return what was gathered; False: take part only (an empty dict).
+        """
         full = {}
         for name in self._shard.slot_names:
             values = [self._shard.slots[(i, name)] for i in range(len(self._shard.owned))]
-            gathered = self._collectives.concatenate(self._contribution(values)).numpy()
+            with tf.device("/cpu:0"):
+                gathered = self._collectives.concatenate(self._contribution(values)).numpy()
+            if not keep:
+                continue
             for index, variable in enumerate(self._shard.variables):
                 where, size = self._shard.layout.position[index], self._shard.layout.sizes[index]
                 full[(index, name)] = gathered[where:where + size].reshape(variable.shape)
@@ -428,37 +340,6 @@ def _scaled(gradient: Any, scale: Any) -> Any:
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(gradient.values * scale, gradient.indices, gradient.dense_shape)
     return gradient * scale
-
-
-def _plain_order(base: type, config: dict[str, Any], count: int) -> list[tuple[Any, ...]]:
-    """What `base` (with `config`), built unsharded on `count` variables, lists in
-    `variables`, in order: ("slot", variable index, slot name) for a per-variable slot,
-    ("other", k) for its k-th other variable (the step, the learning rate)."""
-    made: dict[int, tuple[int, str]] = {}
-    stand_ins: list[Any] = []
-
-    class Recording(base):  # type: ignore[misc, valid-type]
-        def add_variable_from_reference(self, reference_variable, name=None,
-                                        initializer="zeros"):
-            variable = super().add_variable_from_reference(reference_variable, name=name,
-                                                           initializer=initializer)
-            index = next(i for i, v in enumerate(stand_ins) if v is reference_variable)
-            made[id(variable)] = (index, name or "var")
-            return variable
-
-    with tf.init_scope():
-        # One element each: the order, not the sizes, is what is asked.
-        stand_ins.extend(keras.Variable(np.zeros((1,), "float32")) for _ in range(count))
-        plain = Recording.from_config(config)
-        plain.build(stand_ins)
-    order, others = [], 0
-    for variable in plain.variables:
-        if id(variable) in made:
-            order.append(("slot", *made[id(variable)]))
-        else:
-            order.append(("other", others))
-            others += 1
-    return order
 
 
 _classes: dict[type, type] = {}
@@ -519,17 +400,6 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
         if getattr(optimizer, name, None) is not None:  # Not in the config.
             setattr(sharded, name, getattr(optimizer, name))
     return sharded
-
-
-def state_bytes(optimizer: Any) -> int:
-    """Bytes of the state `optimizer` holds in this process (`optimizer.variables`).
-
-    Example:
-
-        state_bytes(model.optimizer)   # under zero_stage 2: about 1/N of zero_stage 0's
-    """
-    return sum(int(np.prod(v.shape)) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
-               for v in optimizer.variables)
 
 
 def find_sharded(optimizer: Any) -> Any:

@@ -1,0 +1,38 @@
+"""Sharded training state (ZeRO stages 1 and 2): each rank holds 1/N of the optimizer state.
+
+Every data-parallel rank keeps the whole model, but only its partition of the
+optimizer's state (Adam's moments, momentum, EMA averages), as DeepSpeed's ZeRO
+and PyTorch's `ZeroRedundancyOptimizer` do:
+
+- **Stage 1**: the variables are dealt out whole to the ranks, largest first to
+  the least loaded, so a rank holds at most the mean plus the largest variable.
+  The gradients are averaged across ranks as without sharding; each rank applies
+  the user's optimizer to the variables it owns, and the updated weights reach
+  every rank in one all-gather. Any optimizer works, since every variable is
+  updated whole.
+- **Stage 2**: all gradients form one flat buffer, padded to N equal slices; a
+  reduce-scatter gives each rank the averaged slice it updates, and an all-gather
+  of the updated slices gives every rank the new weights: the bytes of one
+  all-reduce. A variable cut by a slice boundary is updated in parts, so only
+  optimizers whose update is element-wise qualify (`ELEMENT_WISE`).
+
+`sharded_optimizer(optimizer, collectives, stage)` returns an optimizer of the
+user's own class (a subclass with the same name and module, so a saved model
+loads in plain Keras), whose `build` creates state for the rank's partition only
+and whose `apply` does the above. Clipping sees all gradients (the norms are summed
+across ranks), weight decay and its exclusions, EMA, schedules and `iterations`
+behave as on one device, and `optimizer.variables` lists the rank's share.
+
+Example:
+
+    optimizer = sharded_optimizer(keras.optimizers.Adam(1e-3), collectives, stage=2)
+    model.compile(optimizer, "mse")    # each rank holds 1/N of Adam's moments
+"""
+
+from tfdist.sharding.layout import Piece, ShardLayout
+from tfdist.sharding.optimizer import (ELEMENT_WISE, ShardCollectives, check_stage,
+                                       find_sharded, sharded_optimizer)
+from tfdist.sharding.state import plain_order, state_bytes
+
+__all__ = ["ELEMENT_WISE", "Piece", "ShardCollectives", "ShardLayout", "check_stage",
+           "find_sharded", "plain_order", "sharded_optimizer", "state_bytes"]

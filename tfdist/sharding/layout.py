@@ -1,0 +1,102 @@
+"""Which rank updates which elements of the trainable variables, at ZeRO stage 1 or 2.
+
+Stage 1 deals whole variables out, largest first to the least loaded rank; stage 2
+cuts all of them, as one flat buffer padded to N equal slices, into one slice per
+rank. Both give each rank its pieces (a variable's flat element range) and where each
+variable's elements sit in the buffer the ranks gather.
+
+Example:
+
+    layout = ShardLayout([320, 1024, 16], ranks=2, stage=2)
+    layout.pieces(0)          # [Piece(0, 0, 320, True), Piece(1, 0, 360, False)]
+    layout.position[1]        # 320: where variable 1 starts in the gathered buffer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of trainable variable `variable`, flattened."""
+
+    variable: int
+    start: int
+    stop: int
+    whole: bool
+
+
+class ShardLayout:
+    """Which rank updates which elements, and where they sit in the gathered buffer.
+
+    Args:
+        sizes: Elements of each trainable variable, in order.
+        ranks: The number of ranks.
+        stage: 1 (whole variables, balanced by size) or 2 (flat equal slices).
+
+    Example:
+
+        layout = ShardLayout([6, 2, 4], ranks=2, stage=2)
+        layout.pieces(1)      # [Piece(1, 0, 2, True), Piece(2, 0, 4, True)]: elements 6-11
+    """
+
+    def __init__(self, sizes: Sequence[int], ranks: int, stage: int):
+        self.sizes = [int(size) for size in sizes]
+        self.ranks = ranks
+        self.stage = stage
+        total = sum(self.sizes)
+        offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
+        if stage == 1:
+            owners = _balanced_owners(self.sizes, ranks)
+            self._pieces = [[Piece(index, 0, size, True) for index, size in enumerate(self.sizes)
+                             if owners[index] == rank] for rank in range(ranks)]
+            self._slices = [sum(piece.stop for piece in pieces) for pieces in self._pieces]
+            self.position = [0] * len(self.sizes)
+            where = 0
+            for pieces in self._pieces:  # The gathered buffer: rank 0's variables, rank 1's...
+                for piece in pieces:
+                    self.position[piece.variable] = where
+                    where += piece.stop
+        else:
+            width = max(1, math.ceil(total / ranks))
+            self._slices = [width] * ranks
+            self.position = offsets[:-1]
+            self._pieces = []
+            for rank in range(ranks):
+                low, high = rank * width, (rank + 1) * width
+                self._pieces.append([
+                    Piece(index, max(low, offsets[index]) - offsets[index],
+                          min(high, offsets[index + 1]) - offsets[index],
+                          low <= offsets[index] and offsets[index + 1] <= high)
+                    for index in range(len(self.sizes))
+                    if max(low, offsets[index]) < min(high, offsets[index + 1])])
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The elements rank `rank` updates, in the order of its gathered contribution."""
+        return self._pieces[rank]
+
+    def slice_size(self, rank: int) -> int:
+        """Elements rank `rank` contributes to the gathered buffer (padding included)."""
+        return self._slices[rank]
+
+    def slice_start(self, rank: int) -> int:
+        """Where rank `rank`'s contribution starts in the gathered buffer."""
+        return sum(self._slices[:rank])
+
+
+def _balanced_owners(sizes: Sequence[int], ranks: int) -> list[int]:
+    """Each variable's rank: largest first, to the rank holding the fewest elements so far
+    (ties to the lower rank). No rank then holds more than the mean plus the largest."""
+    owners = [0] * len(sizes)
+    loads = [(0, rank) for rank in range(ranks)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[index] = rank
+        heapq.heappush(loads, (load + sizes[index], rank))
+    return owners
