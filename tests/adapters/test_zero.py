@@ -209,6 +209,8 @@ def test_a_sigkill_and_a_resume_equal_the_uninterrupted_run(two, resumed):
     out, checkpoints = resumed
     _, uninterrupted = ranks_of(two / "s2_adam_clip", 2)
     reports, weights = ranks_of(out / "resumed", 2)
+    # It went on from the checkpoint of step 8, in epoch 2, not from the start.
+    assert [reports[r]["iterations_at_start"] for r in (0, 1)] == [8, 8]
     assert [reports[r]["iterations"] for r in (0, 1)] == [12, 12]
     for rank in (0, 1):
         assert largest_difference(weights[rank], uninterrupted[rank]) < 1e-6
@@ -219,10 +221,12 @@ def test_a_sigkill_and_a_resume_equal_the_uninterrupted_run(two, resumed):
 
 
 def test_a_checkpoint_of_2_ranks_resumes_on_3_and_one_of_3_on_2(three, resumed):
-    # Saved at the end of epoch 1 by one rank count, trained to the end by the other.
-    check_equivalent(three, "from_2", "adam_clip", 3)
+    # Saved at the end of epoch 1 (6 steps) by one rank count, trained on by the other.
+    reports = check_equivalent(three, "from_2", "adam_clip", 3)
+    assert [reports[r]["iterations_at_start"] for r in range(3)] == [6] * 3
     out, _ = resumed
-    check_equivalent(out, "from_3", "adam_clip", 2)
+    reports = check_equivalent(out, "from_3", "adam_clip", 2)
+    assert [reports[r]["iterations_at_start"] for r in (0, 1)] == [6] * 2
 
 
 def test_model_save_writes_the_whole_state_and_plain_keras_loads_it(two, tmp_path):

@@ -9,8 +9,9 @@ Run by tests under `mpirun -np 2` or `-np 3`:
     mpirun -np 2 python tests/scripts/zero_training.py OUT_DIR --variants JSON
 
 Each rank writes OUT_DIR/rank<R>.npz (final weights) and OUT_DIR/rank<R>.json: rank, ranks,
-iterations, state_bytes (its optimizer's variables), the partition it updates, the
-largest variable's bytes, loss_scale (mixed_float16). With --save_model the chief saves
+iterations (at the end, and when the first batch began: after a resume's restore),
+state_bytes (its optimizer's variables), the partition it updates, the largest variable's
+bytes, loss_scale (mixed_float16). With --save_model the chief saves
 OUT_DIR/model.keras after fit; with --stage 0 each rank also writes its optimizer's
 variables (the user's optimizer's, inside tfdist's wrappers) to OUT_DIR/optimizer<R>.npz.
 --kill_at_step N SIGKILLs rank 1 when N steps in all are done (after the checkpoint of
@@ -73,6 +74,18 @@ def examples(kind, steps, inf_at_step=None):
                               inf_at=inf_at)
 
 
+class FirstStep(keras.callbacks.Callback):
+    """The optimizer's step count when the first batch begins: after a resume has restored."""
+
+    def __init__(self):
+        super().__init__()
+        self.iterations = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.iterations is None:
+            self.iterations = int(self.model.optimizer.iterations.numpy())
+
+
 class KillAt(keras.callbacks.Callback):
     """SIGKILLs this process when `step` steps in all are done (placed after the checkpoint's
     callback, so a save due at that step is written first)."""
@@ -128,12 +141,15 @@ def train(args):
                           GLOBAL_BATCH // args.accumulation)
     callbacks = runner.callbacks(checkpoint_dir=args.checkpoint_dir,
                                  save_every_steps=args.save_every_steps)
+    first_step = FirstStep()
+    callbacks.append(first_step)
     if args.kill_at_step and rank == 1:
         callbacks.append(KillAt(args.kill_at_step))
     model.fit(data, epochs=args.epochs, callbacks=callbacks, verbose=0)
     optimizer = model.optimizer
     sharded = find_sharded(optimizer)
     report = {"rank": rank, "ranks": ranks, "iterations": int(optimizer.iterations.numpy()),
+              "iterations_at_start": first_step.iterations,
               "state_bytes": state_bytes(optimizer),
               "largest_variable_bytes": max(int(np.prod(v.shape)) * 4
                                             for v in model.trainable_variables),
