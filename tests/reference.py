@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from typing import Any, Callable, Sequence
 
 import keras
@@ -102,6 +103,32 @@ def largest_difference(weights: Sequence[np.ndarray], expected: Sequence[np.ndar
     assert len(weights) == len(expected)
     return max(float(np.max(np.abs(np.asarray(a, "float64") - np.asarray(b, "float64"))))
                for a, b in zip(weights, expected))
+
+
+class FirstStep(keras.callbacks.Callback):
+    """The optimizer's step count when the first batch begins: after a resume has restored."""
+
+    def __init__(self):
+        super().__init__()
+        self.iterations = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.iterations is None:
+            self.iterations = int(self.model.optimizer.iterations.numpy())
+
+
+class KillAt(keras.callbacks.Callback):
+    """SIGKILLs this process when `step` steps in all are done (placed after the checkpoint's
+    callback, so a save due at that step is written first)."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step, self.done = step, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done += 1
+        if self.done == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_variants(parse: Callable[[list[str]], Any], train: Callable[[Any], None],

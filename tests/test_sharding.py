@@ -3,6 +3,9 @@
 The ranks' training is in `tests/adapters/test_zero.py` (real processes under mpirun).
 """
 
+import glob
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -126,3 +129,29 @@ def test_weight_decay_exclusions_survive_the_runner():
     bias = keras.Variable(np.ones(3, "float32"), name="bias")
     kernel = keras.Variable(np.ones(3, "float32"), name="kernel")
     assert not made._use_weight_decay(bias) and made._use_weight_decay(kernel)
+
+
+def test_shard_files_are_read_back_by_any_split_and_closed(tmp_path):
+    from tfdist.resume import sharded_state
+
+    values = np.arange(10, dtype="float32")
+    # Two ranks wrote elements [0, 6) and [6, 10) of variable 0's "m" slot.
+    for rank, (start, stop) in enumerate([(0, 6), (6, 10)]):
+        sharded_state.write_shard(str(tmp_path), 4, rank, 2, [(0, "m", start, stop,
+                                                               values[start:stop])])
+
+    def open_shard_files():
+        links = (os.readlink(fd) for fd in glob.glob("/proc/self/fd/*") if os.path.islink(fd))
+        return sorted(link for link in links if link.startswith(str(tmp_path / "shards")))
+
+    with sharded_state.ShardReader(str(tmp_path), 4) as reader:
+        assert len(open_shard_files()) == 2
+        # A third of the elements each, as 3 ranks would read them: across both files.
+        parts = [reader.read(0, "m", start, stop) for start, stop in [(0, 4), (4, 7), (7, 10)]]
+        with pytest.raises(tfdist.ConfigError, match="does not cover slot 'v' of variable 0"):
+            reader.read(0, "v", 0, 10)
+    np.testing.assert_array_equal(np.concatenate(parts), values)
+    assert open_shard_files() == []
+    with pytest.raises(tfdist.ConfigError, match="lacks the shard files of some ranks"):
+        (tmp_path / "shards" / "ckpt-4.rank1-of-2.npz").unlink()
+        sharded_state.ShardReader(str(tmp_path), 4)

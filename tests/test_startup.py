@@ -12,7 +12,7 @@ import time
 import pytest
 
 import tfdist
-from tfdist.app.launch import free_ports, task_output
+from tfdist.app.launch import cluster_spec, free_ports
 from tfdist.quiet import is_tensorflow_log_line
 from tfdist.cluster import ClusterInfo, MpiInfo, SlurmInfo, parse_tf_config
 from tfdist.errors import ClusterError, ConfigError
@@ -117,22 +117,29 @@ def test_a_side_car_evaluator_of_a_cluster_may_evaluate_on_one_device():
 # --- real processes ------------------------------------------------------------------------
 
 
-def start_worker(tmp_path, addresses, index, *extra):
-    """`tfdist train --strategy multi_worker` as task `index` of `addresses`, its output
-    in files of its own."""
-    out = open(tmp_path / f"worker{index}.out", "w")
-    err = open(tmp_path / f"worker{index}.err", "w")
+def start_task(tmp_path, cluster, kind, index, *arguments):
+    """`tfdist train ARGUMENTS` as task `kind:index` of `cluster`, its output in files of
+    its own (`<kind><index>.out`, `.err`)."""
+    out = open(tmp_path / f"{kind}{index}.out", "w")
+    err = open(tmp_path / f"{kind}{index}.err", "w")
+    task_config = json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
     process = subprocess.Popen(
-        [TFDIST, "train", "--strategy", "multi_worker", "--set", "train.epochs=1", *extra],
-        cwd=tmp_path, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+        [TFDIST, "train", *arguments], cwd=tmp_path, stdout=out, stderr=err,
+        stdin=subprocess.DEVNULL,
         # As a user runs it: no TF_CPP_MIN_LOG_LEVEL, so tfdist hides TensorFlow's log.
         env={**{name: value for name, value in os.environ.items()
-                if name != "TF_CPP_MIN_LOG_LEVEL"}, "TF_CONFIG": tf_config(addresses, index)},
+                if name != "TF_CPP_MIN_LOG_LEVEL"}, "TF_CONFIG": task_config},
         # As at a terminal: Ctrl-C raises KeyboardInterrupt (a test runner may ignore SIGINT).
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out.close()
     err.close()
     return process
+
+
+def start_worker(tmp_path, addresses, index, *extra):
+    """`tfdist train --strategy multi_worker` as worker `index` of `addresses`."""
+    return start_task(tmp_path, {"worker": addresses}, "worker", index,
+                      "--strategy", "multi_worker", "--set", "train.epochs=1", *extra)
 
 
 @pytest.mark.multiprocess
@@ -199,15 +206,23 @@ def test_a_signal_while_waiting_for_a_peer_ends_every_process_at_once(signal_num
 ], ids=["multi_worker_beside_ps", "mirrored_under_launch"])
 def test_a_strategy_the_launched_cluster_cannot_run_is_refused_by_every_task_at_once(
         launch, strategy, line, tmp_path):
+    # Each task of the cluster `tfdist launch LAUNCH` makes, started on its own (as a
+    # scheduler would, with no launcher to stop the others): every one, ps tasks included,
+    # refuses by itself.
+    num_workers, num_ps = int(launch[1]), int(launch[3]) if "--ps" in launch else 0
+    cluster = cluster_spec(num_workers, num_ps)
     started = time.monotonic()
-    result = run_command([TFDIST, "launch", *launch, "--", TFDIST, "train", "--strategy",
-                          strategy], cwd=tmp_path, timeout=120)
-    assert result.returncode == 2, result.stdout[-3000:]
+    tasks = {(kind, index): start_task(tmp_path, cluster, kind, index, "--strategy", strategy)
+             for kind, addresses in cluster.items()
+             for index in range(len(addresses))}
+    for process in tasks.values():
+        process.wait(timeout=90)
     assert time.monotonic() - started < 60
-    tasks = ["worker:0", "worker:1"] + (["chief:0"] if "--ps" in launch else [])
-    for task in tasks:
-        assert line in task_output(result.stdout, task), (task, result.stdout[-3000:])
-    assert "Traceback" not in result.stdout
+    for kind, index in tasks:
+        err = (tmp_path / f"{kind}{index}.err").read_text()
+        said = [text for text in err.splitlines()
+                if text.strip() and not is_tensorflow_log_line(text)]
+        assert (tasks[kind, index].returncode, said) == (2, [line]), (kind, index, err[-3000:])
 
 
 @pytest.mark.multiprocess

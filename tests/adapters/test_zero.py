@@ -28,7 +28,7 @@ TOLERANCE = 1e-5
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 import zero_training as job  # noqa: E402
 
-# name: (arguments, what one device trains to compare with: optimizer, model).
+# name: (arguments, what one device trains to compare with: optimizer[, model]).
 EQUIVALENT = {
     "s1_adam_clip": (["--stage=1", "--optimizer=adam_clip"], "adam_clip"),
     "s2_adam_clip": (["--stage=2", "--optimizer=adam_clip"], "adam_clip"),
@@ -46,12 +46,16 @@ ONLY_ON_2 = {
     "s2_clipnorm": (["--stage=2", "--optimizer=adam_clipnorm"], "adam_clipnorm"),
     "s2_ema": (["--stage=2", "--optimizer=adam_ema"], "adam_ema"),
     "s1_lamb": (["--stage=1", "--optimizer=lamb"], "lamb"),
+    # A model with no keras.Input, built on its first batch in fit, each rank from its own
+    # seed: the sharded optimizer builds on variables that did not exist at compile.
+    "s2_deferred": (["--stage=2", "--optimizer=adam_clip", "--model=deferred"], "adam_clip",
+                    "deferred"),
 }
 FP16_INF = (["--stage=2", "--optimizer=adam", "--model=dense", "--epochs=1",
              "--precision=mixed_float16", "--inf_at_step=3"],)
 ONLY_ON_3 = {
     # The Dense model has 2 variables: rank 2 owns none at stage 1.
-    "s1_owns_nothing": (["--stage=1", "--optimizer=adam", "--model=dense"], "adam"),
+    "s1_owns_nothing": (["--stage=1", "--optimizer=adam", "--model=dense"], "adam", "dense"),
 }
 
 
@@ -135,7 +139,10 @@ def one_device(optimizer, model="embedding", epochs=2):
                                                              "precision": "float32"}))
         with runner.scope():
             made = job.make_model(model)
-            made.set_weights(job.initial_weights(model))
+            if model == "deferred":  # Built in fit, from rank 0's seed.
+                keras.utils.set_random_seed(job.DEFERRED_SEED)
+            else:
+                made.set_weights(job.initial_weights(model))
             made.compile(runner.optimizer(job.optimizers()[optimizer]()),
                          "sparse_categorical_crossentropy")
         data = tf.data.Dataset.from_tensor_slices(job.examples(model, 6))
@@ -159,16 +166,15 @@ def check_equivalent(out, name, optimizer, ranks, model="embedding"):
 
 @pytest.mark.parametrize("name", sorted({**EQUIVALENT, **ONLY_ON_2}))
 def test_two_ranks_equal_one_device(two, name):
-    args, optimizer = {**EQUIVALENT, **ONLY_ON_2}[name]
-    reports = check_equivalent(two, name, optimizer, 2)
+    _, optimizer, *model = {**EQUIVALENT, **ONLY_ON_2}[name]
+    reports = check_equivalent(two, name, optimizer, 2, *model)
     assert [reports[r]["iterations"] for r in (0, 1)] == [12, 12]
 
 
 @pytest.mark.parametrize("name", sorted({**EQUIVALENT, **ONLY_ON_3}))
 def test_three_ranks_equal_one_device(three, name):
-    args, optimizer = {**EQUIVALENT, **ONLY_ON_3}[name]
-    model = "dense" if "--model=dense" in args else "embedding"
-    reports = check_equivalent(three, name, optimizer, 3, model)
+    _, optimizer, *model = {**EQUIVALENT, **ONLY_ON_3}[name]
+    reports = check_equivalent(three, name, optimizer, 3, *model)
     assert [reports[r]["iterations"] for r in range(3)] == [12] * 3
     if name == "s1_owns_nothing":
         assert reports[2]["partition"] == []

@@ -4,7 +4,7 @@ Run by tests under `mpirun -np 2` or `-np 3`:
 
     mpirun -np 2 python tests/scripts/zero_training.py OUT_DIR --stage 2 --optimizer adam_clip \
         [--steps N] [--epochs N] [--accumulation K] [--precision P] [--inf_at_step S] \
-        [--model embedding|dense] [--checkpoint_dir DIR] [--save_every_steps N] \
+        [--model embedding|deferred|dense] [--checkpoint_dir DIR] [--save_every_steps N] \
         [--kill_at_step N] [--save_model]
     mpirun -np 2 python tests/scripts/zero_training.py OUT_DIR --variants JSON
 
@@ -21,7 +21,6 @@ step N, if one is due). --inf_at_step S puts an inf into the last rank's slice o
 import argparse
 import json
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -32,6 +31,7 @@ import numpy as np  # noqa: E402
 from tests import reference  # noqa: E402
 
 GLOBAL_BATCH = 48  # Divides by 2 and by 3 ranks.
+DEFERRED_SEED = 100  # Rank r of a --model deferred run draws its weights from seed 100 + r.
 
 
 def optimizers():
@@ -54,10 +54,13 @@ def optimizers():
 
 
 def make_model(kind):
-    """The reference model with an Embedding (sparse gradients), or one Dense layer (2
-    variables: a third rank owns none at stage 1)."""
+    """The reference model with an Embedding (sparse gradients); "deferred": the same layers
+    with no `keras.Input`, built on their first batch inside `fit` (as Horovod's examples
+    write models); or one Dense layer (2 variables: a third rank owns none at stage 1)."""
     if kind == "embedding":
         return reference.make_model(embedding=True)
+    if kind == "deferred":
+        return keras.Sequential(reference.make_model(embedding=True).layers)
     return keras.Sequential([keras.Input((reference.FEATURES,)),
                              keras.layers.Dense(reference.CLASSES, name="out"),
                              keras.layers.Activation("softmax", dtype="float32")])
@@ -70,34 +73,8 @@ def initial_weights(kind):
 
 def examples(kind, steps, inf_at_step=None):
     inf_at = None if inf_at_step is None else (inf_at_step + 1) * GLOBAL_BATCH - 1
-    return reference.examples(steps * GLOBAL_BATCH, embedding=kind == "embedding",
+    return reference.examples(steps * GLOBAL_BATCH, embedding=kind != "dense",
                               inf_at=inf_at)
-
-
-class FirstStep(keras.callbacks.Callback):
-    """The optimizer's step count when the first batch begins: after a resume has restored."""
-
-    def __init__(self):
-        super().__init__()
-        self.iterations = None
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.iterations is None:
-            self.iterations = int(self.model.optimizer.iterations.numpy())
-
-
-class KillAt(keras.callbacks.Callback):
-    """SIGKILLs this process when `step` steps in all are done (placed after the checkpoint's
-    callback, so a save due at that step is written first)."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step, self.done = step, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.done += 1
-        if self.done == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def parse(argv):
@@ -110,7 +87,8 @@ def parse(argv):
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--precision", default="float32")
     parser.add_argument("--inf_at_step", type=int)
-    parser.add_argument("--model", default="embedding", choices=["embedding", "dense"])
+    parser.add_argument("--model", default="embedding",
+                        choices=["embedding", "deferred", "dense"])
     parser.add_argument("--checkpoint_dir")
     parser.add_argument("--save_every_steps", type=int, default=0)
     parser.add_argument("--kill_at_step", type=int)
@@ -133,7 +111,12 @@ def train(args):
     rank, ranks = hvd.rank(), hvd.size()
     with runner.scope():
         model = make_model(args.model)
-        model.set_weights(initial_weights(args.model))
+        if args.model == "deferred":
+            # Its weights are drawn in fit, from a seed of each rank's own: only the
+            # broadcast of rank 0's makes the ranks start alike.
+            keras.utils.set_random_seed(DEFERRED_SEED + rank)
+        else:
+            model.set_weights(initial_weights(args.model))
         model.compile(runner.optimizer(optimizers()[args.optimizer]()),
                       "sparse_categorical_crossentropy")
     features, labels = examples(args.model, args.steps, args.inf_at_step)
@@ -141,10 +124,10 @@ def train(args):
                           GLOBAL_BATCH // args.accumulation)
     callbacks = runner.callbacks(checkpoint_dir=args.checkpoint_dir,
                                  save_every_steps=args.save_every_steps)
-    first_step = FirstStep()
+    first_step = reference.FirstStep()
     callbacks.append(first_step)
     if args.kill_at_step and rank == 1:
-        callbacks.append(KillAt(args.kill_at_step))
+        callbacks.append(reference.KillAt(args.kill_at_step))
     model.fit(data, epochs=args.epochs, callbacks=callbacks, verbose=0)
     optimizer = model.optimizer
     sharded = find_sharded(optimizer)

@@ -252,11 +252,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                                   f"zero_stage 1 or 2. Received: checkpoint_dir="
                                   f"{self.directory!r}")
             return
-        reader = sharded_state.ShardReader(self.directory, number)
-        try:
+        with sharded_state.ShardReader(self.directory, number) as reader:
             self._sharded.load_shard_state(reader.read)
-        finally:
-            reader.close()
 
     def _check_same_run(self) -> None:
         """Refuses to resume a folder another run made; records this run's identity."""

@@ -14,8 +14,8 @@ so a run resumes on another number of ranks, or at the other stage, re-partition
 Example:
 
     write_shard("ckpt", 40, rank=0, ranks=2, state=optimizer.shard_state())
-    reader = ShardReader("ckpt", 40)        # every rank's files of checkpoint 40
-    optimizer.load_shard_state(reader.read)
+    with ShardReader("ckpt", 40) as reader:  # every rank's files of checkpoint 40
+        optimizer.load_shard_state(reader.read)
 """
 
 from __future__ import annotations
@@ -113,9 +113,11 @@ class ShardReader:
                               f"Received: checkpoint_dir={directory!r}")
         self._pieces: dict[tuple[int, str], list[tuple[int, int, str, str]]] = {}
         self._files = {}
+        self._handles = []
         for rank, (_, path) in sorted(found.items()):
             # Members are read when asked for: a rank reads only the ranges it updates.
-            archive = np.load(tf.io.gfile.GFile(path, "rb"))
+            self._handles.append(tf.io.gfile.GFile(path, "rb"))
+            archive = np.load(self._handles[-1])
             self._files[path] = archive
             for position, (variable, slot, start, stop) in enumerate(
                     json.loads(str(archive["index"]))):
@@ -144,6 +146,16 @@ class ShardReader:
                               f"same ones")
         return out
 
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Closes every file; `with ShardReader(...)` calls it."""
+        # np.load leaves a file object it was given open: the handles are closed here.
         for archive in self._files.values():
             archive.close()
+        for handle in self._handles:
+            handle.close()
