@@ -48,15 +48,15 @@ def run_setting(args: argparse.Namespace) -> None:
         "strategy": args.run, "accumulation_steps": args.steps, "seed": 0}))
     rng = np.random.default_rng(0)
     if args.model == "cnn":
-        features = rng.random((256, 64, 64, 3), dtype=np.float32)
-        layers = [keras.Input((64, 64, 3)),
+        features = rng.random((256, args.image, args.image, 3), dtype=np.float32)
+        layers = [keras.Input((args.image, args.image, 3)),
                   *[keras.layers.Conv2D(32, 3, padding="same", activation="relu")
                     for _ in range(3)],
                   keras.layers.GlobalAveragePooling2D()]
     else:
         features = rng.random((256, 1024), dtype=np.float32)
         layers = [keras.Input((1024,)),
-                  *[keras.layers.Dense(2048, activation="relu") for _ in range(3)]]
+                  *[keras.layers.Dense(args.mlp_units, activation="relu") for _ in range(3)]]
     labels = rng.integers(0, 10, len(features)).astype("int32")
     with runner.scope():
         model = keras.Sequential([*layers, keras.layers.Dense(10, activation="softmax")])
@@ -83,7 +83,8 @@ def measure(launcher: list[str], strategy: str, model: str, batch: int, steps: i
     return run_children([*launcher, sys.executable, os.path.abspath(__file__),
                          f"--run={strategy}", f"--model={model}", f"--batch={batch}",
                          f"--steps={steps}", f"--epochs={args.epochs}",
-                         f"--updates_per_epoch={args.updates_per_epoch}"],
+                         f"--updates_per_epoch={args.updates_per_epoch}",
+                         f"--image={args.image}", f"--mlp_units={args.mlp_units}"],
                         what=f"accumulation: {strategy}, {model}, k={steps}")
 
 
@@ -97,6 +98,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
+    # Smaller models for the test suite's smoke run; the figures use the defaults.
+    parser.add_argument("--image", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument("--mlp_units", type=int, default=2048, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
         run_setting(args)

@@ -113,6 +113,22 @@ def plot_all(results: dict[str, dict], plots_dir: str) -> dict[str, str]:
         rss.set(ylabel="peak resident MB per rank", xlabel="ranks x zero_stage",
                 title="Peak memory")
         save("zero", figure)
+    if ok("pipeline"):
+        result = results["pipeline"]
+        figure, axes = plt.subplots(figsize=(5, 3.6))
+        counts = [1, 2, 4, 8]
+        serial = sorted(result["step_seconds"]["m1"])[len(result["step_seconds"]["m1"]) // 2]
+        measured = [serial / sorted(values)[len(values) // 2] for values in
+                    (result["step_seconds"][f"m{m}"] for m in counts)]
+        ideal = [2 * m / (m + 1) for m in counts]  # GPipe, K = 2 stages
+        axes.plot(counts, measured, "o-", label="measured")
+        axes.plot(counts, ideal, "--", color="gray", label="GPipe's ideal (K = 2)")
+        axes.set(xscale="log", xlabel="micro-batches M", ylabel="speed-up over M = 1",
+                 title=f"Pipeline of 8 Dense({result['units']}) over 2 devices")
+        axes.set_xticks(counts, [str(m) for m in counts])
+        axes.set_xticks([], minor=True)
+        axes.legend()
+        save("pipeline", figure)
     plt.close("all")
     return plots
 

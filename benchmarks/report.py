@@ -44,7 +44,8 @@ TIMEOUT_SECONDS = 330  # each benchmark is meant to finish in under 5 minutes
 
 # In the order they run and appear. `projection` reads sync_cost's results.
 BENCHMARKS = ("overhead", "precision", "allreduce", "sync_cost", "overlap", "accumulation",
-              "parameter_server", "checkpoint", "scaling", "projection", "zero", "gpu")
+              "parameter_server", "checkpoint", "scaling", "projection", "zero", "pipeline",
+              "gpu")
 
 # The README's table: the figures an engineer choosing a stack looks at first.
 HEADLINES = {
@@ -59,6 +60,7 @@ HEADLINES = {
     "checkpoint": ("ratio_one_device",),
     "projection": ("resnet50_128_workers_25gbit", "resnet50_128_workers_25gbit_k4"),
     "zero": ("state_4r_s2", "time_4r_s2"),
+    "pipeline": ("speedup_m4_of_ideal", "tensor_parallel_time_ratio"),
 }
 
 

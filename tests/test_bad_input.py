@@ -161,6 +161,18 @@ CASES = [
     Case("zero_stage 2 with an optimizer that is not element-wise (Python only)", None,
          lambda d: sharded_optimizer(keras.optimizers.Lamb(0.01), None, stage=2),
          "Lamb is not one of them: use zero_stage 1"),
+    Case("model_parallel under mirrored", ["--strategy=mirrored",
+                                           "--set", "model_parallel.devices=2"],
+         lambda d: runner({"strategy": "mirrored", "model_parallel.devices": 2}),
+         "model_parallel.devices 2 cannot run under strategy mirrored: each of its replicas is "
+         "one device"),
+    Case("micro-batches that do not divide the batch", [
+            "--strategy=one_device", "--set", "model_parallel.devices=2",
+            "--set", "model_parallel.micro_batches=3"],
+         lambda d: runner({"strategy": "one_device", "model_parallel.devices": 2,
+                           "model_parallel.micro_batches": 3}).dataset(
+             tf.data.Dataset.range(512), 64),
+         "model_parallel.micro_batches=3 must divide each replica's batch of 64 examples"),
     Case("malformed --set (CLI only)", ["--set", "epochs"], None, "--set expects KEY=VALUE"),
     Case("unknown flag (CLI only)", ["--strategyy=mirrored"], None,
          "Unknown command line flag 'strategyy'"),

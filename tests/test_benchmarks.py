@@ -76,7 +76,8 @@ def check_figures(figures, keys):
                  {"horovod_per_tensor_over_grouped", "multi_worker_packed_over_one_pack"},
                  marks=needs_horovod),
     pytest.param("accumulation.py",
-                 ["--micro_batch", "8", "--epochs", "2", "--updates_per_epoch", "1"],
+                 ["--micro_batch", "8", "--epochs", "2", "--updates_per_epoch", "1",
+                  "--image", "16", "--mlp_units", "256"],
                  {"memory_ratio_k8_vs_b", "time_ratio_k8_vs_8b", "speedup_k8_multi_worker",
                   "speedup_k8_horovod"}, marks=needs_horovod),
     ("parameter_server.py", ["--steps", "10", "--repeats", "1", "--spe", "1", "--spe", "10",
@@ -85,6 +86,8 @@ def check_figures(figures, keys):
     pytest.param("checkpoint.py", ["--rounds", "3", "--steps", "2"],
                  {"ratio_one_device", "ratio_mirrored", "save_ms", "horovod_check_us"},
                  marks=needs_horovod),
+    ("pipeline.py", ["--units", "64", "--batch", "32", "--repeats", "2"],
+     {"speedup_m4_of_ideal", "tensor_parallel_time_ratio", "stage_share_CPU:0"}),
     ("gpu.py", ["--cpu", "--model", "small", "--only", "1", "--image", "32", "--batch", "4",
                 "--iters", "2", "--batches_per_iter", "1"], {"images_per_sec_one_device_float32"}),
 ])

@@ -61,6 +61,20 @@ def test_train_auto_with_bfloat16(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_train_spreads_the_reference_model_over_two_devices_in_a_pipeline(tmp_path):
+    result = run_command([TFDIST, "train", "--strategy=one_device",
+                          "--set", "model_parallel.devices=2",
+                          "--set", "model_parallel.micro_batches=4", "--set", "train.epochs=3"],
+                         cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json_line(result.stdout)
+    # 2 hidden Dense layers, the logits and the float32 softmax: cut by parameters.
+    assert summary["model_parallel"] == {"devices": ["/device:CPU:0", "/device:CPU:1"],
+                                         "micro_batches": 4, "balance": [1, 3]}
+    assert summary["accuracy"] > 0.85  # digits after 3 epochs, as without the pipeline
+
+
+@pytest.mark.multiprocess
 def test_env_reports_versions_devices_and_the_auto_choice(tmp_path):
     result = run_command([TFDIST, "env", "--json"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -73,9 +87,13 @@ def test_env_reports_versions_devices_and_the_auto_choice(tmp_path):
     assert "mirrored" in report["strategies_available"]
     assert report["zero_stage"]["strategies"] == ["one_device", "horovod"]
     assert "strategy horovod" in report["zero_stage"]["refused"]["mirrored"]
+    assert report["model_parallel"]["strategies"] == ["one_device", "horovod"]
+    assert "tensorflow/tensorflow#33645" in report["model_parallel"]["refused"]["mirrored"]
     patches = {patch["name"]: patch for patch in report["patches"]["all"]}
     assert report["patches"]["active"] == []  # nothing is applied until an adapter is built
     assert patches["keras.variables.atomic_assign_add"]["applied_by"] == ["parameter_server"]
+    assert patches["keras.optimizer.slots_beside_their_variables"]["applied_by"] == [
+        "tfdist.parallel"]
     assert "tfdist.horovod.keras.init()" in patches[
         "keras.normalization.horovod_synchronized_moments"]["applied_by"]
     probe = report["bfloat16_probe"]  # probed only where the CPU has bfloat16 instructions
@@ -113,6 +131,8 @@ def test_env_without_json_is_a_short_summary_for_a_person(tmp_path):
     assert "auto        strategy multi_worker (TF_CONFIG names 2 workers)" in lines
     assert ("zero_stage  1 and 2 under one_device, horovod (one_device: nothing to shard); "
             "refused by the others") in lines
+    assert ("parallel    model_parallel.devices > 1 under one_device, horovod; refused by the "
+            "others") in lines
     assert lines[-1] == "the full report, as JSON: tfdist env --json"
 
 

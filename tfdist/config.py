@@ -39,10 +39,11 @@ from tfdist.errors import ConfigError
 
 __all__ = ["AutoShard", "CheckpointConfig", "ClusterConfig", "Communication", "Compression",
            "Config", "CrossDeviceOps", "DEFAULT_COLLECTIVE_TIMEOUT_SECONDS", "DatasetName",
-           "HorovodConfig", "MirroredConfig", "MultiWorkerConfig", "OneDeviceConfig",
-           "OptimizerName", "ParameterServerConfig", "Precision", "Reduction", "Strategy",
-           "TPUConfig", "ThreadsConfig", "TrainConfig", "check_precision_supported",
-           "config_keys", "field_help", "load_config", "parse_enum"]
+           "HorovodConfig", "MirroredConfig", "ModelParallelConfig", "MultiWorkerConfig",
+           "OneDeviceConfig", "OptimizerName", "ParameterServerConfig", "Precision",
+           "Reduction", "Strategy", "TPUConfig", "ThreadsConfig", "TrainConfig",
+           "check_precision_supported", "config_keys", "field_help", "load_config",
+           "parse_enum"]
 
 
 # Long enough for peers that trace, compile or read data at different speeds; short enough
@@ -153,6 +154,20 @@ class ParameterServerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelParallelConfig:
+    """Model parallelism inside each process (`tfdist.parallel`): one copy of the model over
+    several devices, its layers in pipeline stages or its matmuls split."""
+
+    devices: int = _field(
+        1, "Devices each process spreads one model over: its GPUs (horovod rank r: GPUs "
+           "r*K ... r*K+K-1 of its machine), or this many logical CPU devices without GPUs. "
+           "1: no model parallelism. one_device and horovod only.")
+    micro_batches: int = _field(
+        1, "Micro-batches each batch is cut into by a tfdist.parallel.Pipeline, whose stages "
+           "then overlap (GPipe); must divide each process's batch.")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Checkpoints for an exact resume after a crash or preemption (`runner.callbacks`)."""
 
@@ -227,6 +242,7 @@ class Config:
         seed: Seeds Python, NumPy and TensorFlow when set, so runs repeat.
         one_device, mirrored, multi_worker, tpu, horovod, parameter_server: Options of
             those strategies.
+        model_parallel: One model over several devices per process (`tfdist.parallel`).
         checkpoint: Checkpoints for an exact resume, and what a SIGTERM does.
         cluster: How the processes of a multi-process run find each other.
         trusted_network: Silence the warning about TensorFlow's unauthenticated servers.
@@ -260,6 +276,8 @@ class Config:
     horovod: HorovodConfig = _field(HorovodConfig(), "Options of horovod.")
     parameter_server: ParameterServerConfig = _field(ParameterServerConfig(),
                                                      "Options of parameter_server.")
+    model_parallel: ModelParallelConfig = _field(
+        ModelParallelConfig(), "Model parallelism over each process's devices.")
     checkpoint: CheckpointConfig = _field(CheckpointConfig(),
                                           "Checkpoints, resume and preemption.")
     cluster: ClusterConfig = _field(ClusterConfig(), "How the processes find each other.")
@@ -438,6 +456,11 @@ def _validate(config: Config) -> None:
             "an integer >= 1 (micro-batches per optimizer update; 1 means no accumulation)")
     require(config.zero_stage in (0, 1, 2), "zero_stage", config.zero_stage,
             "0, 1 or 2 (0: no sharding; 1: optimizer state; 2: optimizer state and gradients)")
+    parallel = config.model_parallel
+    require(parallel.devices >= 1, "model_parallel.devices", parallel.devices,
+            "an integer >= 1 (devices one model is spread over in each process)")
+    require(parallel.micro_batches >= 1, "model_parallel.micro_batches",
+            parallel.micro_batches, "an integer >= 1 (micro-batches per batch in a Pipeline)")
     if config.seed is not None:
         require(config.seed >= 0, "seed", config.seed, "a non-negative integer, or unset")
     mirrored = config.mirrored

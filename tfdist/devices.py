@@ -1,6 +1,8 @@
-"""Logical devices: splitting the CPU so a machine without GPUs has several replicas.
+"""Logical devices: splitting the CPU so a machine without GPUs has several replicas, or
+several devices to spread one model over.
 
-Used by every adapter that offers `cpu_replicas`; adapters do not import each other.
+Used by every adapter that offers `cpu_replicas` or `model_parallel.devices`; adapters do
+not import each other.
 
 Example:
 
@@ -43,3 +45,24 @@ def split_cpu(replicas: int, key: str = "cpu_replicas") -> list[str]:
                           f"before any TensorFlow op runs, or use a fresh process. "
                           f"Received: {key}={replicas}")
     return [device.name for device in logical[:replicas]]
+
+
+def model_devices(count: int, gpus: int) -> tuple[str, ...]:
+    """The `count` devices one model is spread over in this process: its first `count`
+    visible GPUs, or, with none, `count` logical CPU devices.
+
+    Args:
+        count: `model_parallel.devices`.
+        gpus: The GPUs this process sees.
+
+    Raises:
+        ConfigError: fewer GPUs than `count`.
+    """
+    if not gpus:
+        return tuple(split_cpu(count, "model_parallel.devices"))
+    if gpus < count:
+        raise ConfigError(f"model_parallel.devices={count} needs {count} GPUs for each "
+                          f"process, but it sees {gpus}; lower model_parallel.devices or start "
+                          f"fewer processes per machine. Received: model_parallel.devices="
+                          f"{count}, {gpus} GPUs")
+    return tuple(f"/device:GPU:{index}" for index in range(count))

@@ -35,6 +35,30 @@ GradientReduceFn = Callable[[list[Any]], list[Any]]
 FiniteReduceFn = Callable[[tf.Tensor], tf.Tensor]
 
 
+def recreated(optimizer: keras.optimizers.Optimizer,
+              cls: type | None = None) -> keras.optimizers.Optimizer:
+    """A new, unbuilt optimizer from `optimizer`'s config, weight-decay exclusions included.
+
+    `exclude_from_weight_decay` (by variable or by name) is not in Keras's optimizer
+    config, so `from_config` alone would silently decay what the user excluded.
+
+    Args:
+        optimizer: The optimizer to copy.
+        cls: The class to build (a subclass of `optimizer`'s, say); default its own.
+
+    Example:
+
+        adamw = keras.optimizers.AdamW(1e-3, weight_decay=0.1)
+        adamw.exclude_from_weight_decay(var_names=["bias"])
+        fresh = recreated(adamw)  # an AdamW that still leaves the biases alone
+    """
+    made = (cls or type(optimizer)).from_config(optimizer.get_config())
+    for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+        if getattr(optimizer, name, None) is not None:
+            setattr(made, name, getattr(optimizer, name))
+    return made
+
+
 class WrappingOptimizer(keras.optimizers.Optimizer):
     """Base of the wrappers: everything but `apply` is the inner optimizer's.
 

@@ -110,6 +110,11 @@ class Runner:
 
             keras.utils.set_random_seed(config.seed)
         self.strategy = self._adapter.strategy
+        # The devices this process spreads one model over (model_parallel.devices > 1):
+        # `scope()` hands them to tfdist.parallel's layers.
+        self.model_devices: tuple[str, ...] = self._adapter.model_devices
+        if self.model_devices:
+            patches.apply(patches.MODEL_PARALLEL)
         logging.info("tfdist: patches active: %s", ", ".join(patches.active()) or "none")
 
     def summary(self) -> str:
@@ -158,9 +163,15 @@ class Runner:
 
         It enters the strategy's scope, so variables are placed by the strategy, and
         sets Keras's dtype policy, so layers compute in the run's precision. The
-        previous global dtype policy is restored on exit.
+        previous global dtype policy is restored on exit. With `model_parallel.devices`
+        > 1, `tfdist.parallel`'s layers built inside take `model_devices` and
+        `model_parallel.micro_batches`.
         """
-        with self.precision.applied(), self.strategy.scope():
+        from tfdist.parallel.placement import use_devices
+
+        placement = (use_devices(self.model_devices, self.config.model_parallel.micro_batches)
+                     if self.model_devices else contextlib.nullcontext())
+        with self.precision.applied(), self.strategy.scope(), placement:
             yield
 
     def optimizer(self, optimizer: Any) -> Any:
@@ -184,6 +195,7 @@ class Runner:
         import keras
 
         from tfdist.accumulation import AccumulatingOptimizer
+        from tfdist.optimizers import recreated
 
         with self.strategy.scope():
             try:
@@ -193,7 +205,7 @@ class Runner:
                                   f"as keras.optimizers.Adam(1e-3) or 'adam' ({error}). "
                                   f"Received: {optimizer!r}") from None
             if not optimizer.built and int(optimizer.iterations.numpy()) == 0:
-                optimizer = _recreated(optimizer)
+                optimizer = recreated(optimizer)
             loss_scale_options = {}
             if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
                 # The user's own loss scaling keeps its settings, but goes outermost,
@@ -241,6 +253,7 @@ class Runner:
                 `drop_remainder`): see `tfdist.dataset_checks`.
         """
         check_source(source, global_batch_size, drop_remainder)
+        self._check_micro_batches(global_batch_size)
         shuffle = None
         if shuffle_buffer_size:
             if (not isinstance(shuffle_buffer_size, int) or isinstance(shuffle_buffer_size, bool)
@@ -258,6 +271,17 @@ class Runner:
             self._pipelines = PipelineReplay()
         return self._pipelines.track(self._adapter.distribute_dataset(
             source, global_batch_size, drop_remainder=drop_remainder, shuffle=shuffle))
+
+    def _check_micro_batches(self, global_batch_size: int) -> None:
+        micro_batches = self.config.model_parallel.micro_batches
+        per_replica = global_batch_size // max(1, self.num_replicas)
+        if micro_batches > 1 and per_replica % micro_batches:
+            raise ConfigError(f"model_parallel.micro_batches={micro_batches} must divide each "
+                              f"replica's batch of {per_replica} examples (global batch "
+                              f"{global_batch_size} over {self.num_replicas} replicas); use a "
+                              f"batch that is a multiple of {micro_batches * self.num_replicas}. "
+                              f"Received: global_batch_size={global_batch_size}, "
+                              f"model_parallel.micro_batches={micro_batches}")
 
     def callbacks(self, checkpoint_dir: str | os.PathLike | None = None, *,
                   save_every_steps: int | None = None, keep: int | None = None) -> list[Any]:
@@ -383,16 +407,6 @@ class Runner:
             return None
         return atomic_write_text(os.path.join(os.fspath(directory), "config.yaml"),
                                  self.config.to_yaml())
-
-
-def _recreated(optimizer: Any) -> Any:
-    """A new optimizer of `optimizer`'s class and config, in the current strategy's scope,
-    with its weight-decay exclusions (`exclude_from_weight_decay`, not in the config)."""
-    made = type(optimizer).from_config(optimizer.get_config())
-    for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
-        if getattr(optimizer, name, None) is not None:
-            setattr(made, name, getattr(optimizer, name))
-    return made
 
 
 _warned_untrusted = False

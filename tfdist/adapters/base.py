@@ -53,6 +53,13 @@ class Adapter(abc.ABC):
     # Why this strategy cannot shard training state (`zero_stage` 1 or 2), for the one
     # line that refuses it; None where it can (`wrap_optimizer` shards then).
     zero_refusal: str | None = "it does not shard training state; use strategy horovod"
+    # Why this strategy cannot spread one model over several devices of a process
+    # (`model_parallel.devices` > 1), for the one line that refuses it; None where it can
+    # (`create_strategy` then fills `model_devices`).
+    model_parallel_refusal: str | None = (
+        "each of its replicas is one device, and tf.distribute gives a replica no group of "
+        "devices (tensorflow/tensorflow#33645); use strategy horovod (each rank one copy of "
+        "the model over its devices) or one_device")
 
     def __init__(self, config: Config, cluster: ClusterInfo):
         self.config = config
@@ -62,6 +69,14 @@ class Adapter(abc.ABC):
             raise ConfigError(f"zero_stage {config.zero_stage} cannot run under strategy {name}: "
                               f"{self.zero_refusal}. Received: strategy={name}, "
                               f"zero_stage={config.zero_stage}")
+        devices = config.model_parallel.devices
+        if devices > 1 and self.model_parallel_refusal:
+            name = config.strategy.value
+            raise ConfigError(f"model_parallel.devices {devices} cannot run under strategy "
+                              f"{name}: {self.model_parallel_refusal}. Received: strategy="
+                              f"{name}, model_parallel.devices={devices}")
+        # The devices this process spreads one model over, when model_parallel.devices > 1.
+        self.model_devices: tuple[str, ...] = ()
         if self.single_process:
             check_single_process(config.strategy.value, cluster)
 

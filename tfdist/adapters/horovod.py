@@ -36,6 +36,7 @@ from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_
                                   check_global_batch_size)
 from tfdist.cluster import ClusterInfo, set_default_environment
 from tfdist.config import Compression, Config, Reduction
+from tfdist.devices import model_devices
 from tfdist.errors import ConfigError
 from tfdist.horovod import collectives, elastic
 from tfdist.horovod.collectives import AverageMetrics, BroadcastState, ShardCollectives
@@ -58,6 +59,7 @@ class HorovodAdapter(Adapter):
     """One rank per device; gradients averaged with Horovod's collectives."""
 
     zero_refusal = None
+    model_parallel_refusal = None
 
     patches = HOROVOD
 
@@ -85,23 +87,35 @@ class HorovodAdapter(Adapter):
 
     def create_strategy(self) -> tf.distribute.Strategy:
         gpus = tf.config.list_physical_devices("GPU")
-        if not gpus:
-            return tf.distribute.OneDeviceStrategy("/cpu:0")
+        per_rank = self.config.model_parallel.devices
+        if gpus:
+            self._pin_gpus(gpus, per_rank)
+        if per_rank > 1:
+            # Each rank one copy of the model over its devices (2-D parallelism). The
+            # default strategy leaves placement to the layers: OneDeviceStrategy would put
+            # every variable on its one device.
+            self.model_devices = model_devices(per_rank, min(len(gpus), per_rank))
+            return tf.distribute.get_strategy()
+        return tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0")
+
+    def _pin_gpus(self, gpus: Sequence[Any], per_rank: int) -> None:
+        """Makes rank r see only its GPUs: r*K ... r*K+K-1 of its machine's."""
         local_rank, local_size = self.hvd.local_rank(), self.hvd.local_size()
-        if local_size > len(gpus):
-            raise ConfigError(f"strategy horovod runs one rank per GPU, but this machine has "
-                              f"{len(gpus)} GPU(s) and {local_size} ranks; start at most "
-                              f"{len(gpus)} ranks per machine (mpirun -np / -H host:N). "
-                              f"Received: {local_size} local ranks")
+        if local_size * per_rank > len(gpus):
+            each = "GPU" if per_rank == 1 else f"{per_rank} GPUs (model_parallel.devices)"
+            raise ConfigError(f"strategy horovod runs one rank per {each}, but this machine "
+                              f"has {len(gpus)} GPU(s) and {local_size} ranks; start at most "
+                              f"{len(gpus) // per_rank} ranks per machine (mpirun -np / -H "
+                              f"host:N). Received: {local_size} local ranks")
         try:
-            # Each rank sees only its own GPU, so it neither allocates memory on the
+            # Each rank sees only its own GPUs, so it neither allocates memory on the
             # others nor places ops there.
-            tf.config.set_visible_devices(gpus[local_rank], "GPU")
+            tf.config.set_visible_devices(
+                gpus[local_rank * per_rank:(local_rank + 1) * per_rank], "GPU")
         except RuntimeError:
             raise ConfigError("strategy horovod pins each rank to its GPU before TensorFlow "
                               "starts; create the Runner first in your program. "
                               "Received: TensorFlow already running") from None
-        return tf.distribute.OneDeviceStrategy("/gpu:0")
 
     @property
     def num_replicas(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist.adapters.base import Adapter, check_device
+from tfdist.devices import model_devices
 
 
 class OneDeviceAdapter(Adapter):
@@ -22,7 +23,15 @@ class OneDeviceAdapter(Adapter):
 
     single_process = True
 
+    model_parallel_refusal = None
+
     def create_strategy(self) -> tf.distribute.Strategy:
+        if self.config.model_parallel.devices > 1:
+            # OneDeviceStrategy puts every variable on its one device, whatever `tf.device`
+            # the layer asks for; the default strategy leaves placement to the layers.
+            self.model_devices = model_devices(self.config.model_parallel.devices,
+                                               len(tf.config.list_physical_devices("GPU")))
+            return tf.distribute.get_strategy()
         device = self.config.one_device.device or ("/gpu:0" if self.cluster.gpus else "/cpu:0")
         return tf.distribute.OneDeviceStrategy(
             check_device(device, self.cluster, "one_device.device"))

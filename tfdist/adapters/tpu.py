@@ -47,6 +47,10 @@ class TPUAdapter(Adapter):
 
     zero_refusal = ("tfdist shards training state with Horovod's collectives, which do not "
                     "run on TPU; set zero_stage 0")
+    model_parallel_refusal = (
+        "TPUStrategy places each replica on one TPU core and its variables itself, and "
+        "tfdist.parallel places stages and splits with tf.device, which it overrides; set "
+        "model_parallel.devices 1")
 
     def create_strategy(self) -> tf.distribute.Strategy:
         arguments = resolver_arguments(self.config.tpu, self.cluster)

@@ -267,6 +267,7 @@ def _env(as_json: bool = False) -> None:
         "auto": {"strategy": strategy.value, "why": reason,
                  "precision": precision.name, "precision_why": precision.reason},
         "zero_stage": _zero_stages(),
+        "model_parallel": _model_parallel(),
         "bfloat16_probe": _bfloat16_probe(cluster),
         "patches": _patches(),
     }
@@ -312,6 +313,8 @@ def _env_summary(report: dict, cluster: Any) -> str:
         f"horovod     {horovod_line}",
         f"zero_stage  1 and 2 under {', '.join(report['zero_stage']['strategies'])} "
         f"(one_device: nothing to shard); refused by the others",
+        f"parallel    model_parallel.devices > 1 under "
+        f"{', '.join(report['model_parallel']['strategies'])}; refused by the others",
         f"patches     {len(patches['all'])} known, {len(patches['active'])} active in this "
         f"process (each with its upstream issue: --json)",
         "the full report, as JSON: tfdist env --json",
@@ -350,6 +353,8 @@ def _patches() -> dict:
                 users[patch.name].append(name)
     for patch in patches.HOROVOD_KERAS:
         users.setdefault(patch.name, []).append("tfdist.horovod.keras.init()")
+    for patch in patches.MODEL_PARALLEL:
+        users.setdefault(patch.name, []).append("tfdist.parallel")
     return {"active": patches.active(),
             "all": [{"name": patch.name, "upstream": patch.upstream,
                      "bug_present": _bug_present(patch),
@@ -376,6 +381,19 @@ def _zero_stages() -> dict:
                            if adapter.zero_refusal is None],
             "refused": {name: adapter.zero_refusal for name, adapter in adapters.items()
                         if adapter.zero_refusal is not None}}
+
+
+def _model_parallel() -> dict:
+    """Where one model spread over a process's devices (`model_parallel.devices` > 1) runs,
+    and why the others refuse it."""
+    from tfdist import registry
+
+    adapters = {name: registry.get(name) for name in registry.available()}
+    return {"strategies": [name for name, adapter in adapters.items()
+                           if adapter.model_parallel_refusal is None],
+            "refused": {name: adapter.model_parallel_refusal
+                        for name, adapter in adapters.items()
+                        if adapter.model_parallel_refusal is not None}}
 
 
 def _horovod_build() -> dict:

@@ -22,6 +22,7 @@ from tfdist.callbacks import Throughput
 from tfdist.config import Config, OptimizerName, TrainConfig
 from tfdist.errors import ConfigError
 from tfdist.files import atomic_write_text, writable_folder
+from tfdist.parallel import Pipeline
 from tfdist.runner import Runner
 from tfdist.sharding import state_bytes
 
@@ -40,12 +41,19 @@ def build_reference_model(num_features: int, num_classes: int, hidden_units: int
         hidden_layers: Number of hidden layers.
     """
     inputs = keras.Input((num_features,), name="features")
-    x = inputs
-    for index in range(hidden_layers):
-        x = keras.layers.Dense(hidden_units, activation="relu", name=f"hidden_{index}")(x)
-    logits = keras.layers.Dense(num_classes, name="logits")(x)
-    outputs = keras.layers.Activation("softmax", dtype="float32", name="probabilities")(logits)
+    outputs = inputs
+    for layer in reference_layers(num_classes, hidden_units, hidden_layers):
+        outputs = layer(outputs)
     return keras.Model(inputs, outputs, name="reference_mlp")
+
+
+def reference_layers(num_classes: int, hidden_units: int = 128,
+                     hidden_layers: int = 2) -> list[keras.layers.Layer]:
+    """The reference model's layers in order (a `tfdist.parallel.Pipeline` takes them)."""
+    return [*[keras.layers.Dense(hidden_units, activation="relu", name=f"hidden_{index}")
+              for index in range(hidden_layers)],
+            keras.layers.Dense(num_classes, name="logits"),
+            keras.layers.Activation("softmax", dtype="float32", name="probabilities")]
 
 
 def make_optimizer(train: TrainConfig) -> keras.optimizers.Optimizer:
@@ -84,8 +92,13 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
     train_data = runner.dataset(splits.train, job.global_batch_size,
                                 shuffle_buffer_size=splits.num_train)
     with runner.scope():
-        model = build_reference_model(splits.num_features, splits.num_classes,
-                                      job.hidden_units, job.hidden_layers)
+        if runner.model_devices:  # One copy over this process's devices, in stages.
+            model = Pipeline(reference_layers(splits.num_classes, job.hidden_units,
+                                              job.hidden_layers),
+                             input_shape=(splits.num_features,), name="reference_mlp")
+        else:
+            model = build_reference_model(splits.num_features, splits.num_classes,
+                                          job.hidden_units, job.hidden_layers)
         model.compile(optimizer=runner.optimizer(make_optimizer(job)),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     throughput = Throughput(job.global_batch_size)
@@ -104,6 +117,10 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
         "precision": runner.precision.name,
         "accumulation_steps": runner.config.accumulation_steps,
         "zero_stage": runner.config.zero_stage,
+        # The devices this process spread the model over, and its stages' layer counts.
+        "model_parallel": {"devices": list(runner.model_devices),
+                           "micro_batches": runner.config.model_parallel.micro_batches,
+                           "balance": model.balance} if runner.model_devices else None,
         # This process's optimizer state (its partition under zero_stage 1 or 2).
         "optimizer_state_bytes": state_bytes(model.optimizer),
         "epochs": job.epochs,

@@ -73,6 +73,10 @@ HOROVOD: tuple[Patch, ...] = (
     keras_callbacks.BACKUP_ONE_WRITER,
     keras_callbacks.BACKUP_ONE_CLEANER,
 )
+# `tfdist.parallel`'s layers, when built: one model over several devices of a process.
+MODEL_PARALLEL: tuple[Patch, ...] = (
+    keras_optimizer.SLOTS_BESIDE_THEIR_VARIABLES,
+)
 # `tfdist.horovod.keras.init()`: Horovod's own Keras scripts, which build no strategy.
 HOROVOD_KERAS: tuple[Patch, ...] = (
     *HOROVOD,
@@ -128,5 +132,6 @@ def by_name(name: str) -> Patch:
                    f"{', '.join(patch.name for patch in registered())}")
 
 
-__all__ = ["EXACT_UPDATES", "HOROVOD", "HOROVOD_KERAS", "MULTI_WORKER", "PARAMETER_SERVER",
-           "Patch", "active", "apply", "by_name", "registered", "undo", "undo_all"]
+__all__ = ["EXACT_UPDATES", "HOROVOD", "HOROVOD_KERAS", "MODEL_PARALLEL", "MULTI_WORKER",
+           "PARAMETER_SERVER", "Patch", "active", "apply", "by_name", "registered", "undo",
+           "undo_all"]

@@ -1,6 +1,6 @@
 """Patches to Keras 3's TensorFlow optimizer (`keras/src/backend/tensorflow/optimizer.py`).
 
-Three fixes, each acting only where its bug applies:
+Four fixes, each acting only where its bug applies:
 
 - **Sparse gradients' repeated rows** (`SUMMED_BEFORE_CLIPPING`). An Embedding's gradient
   is a `tf.IndexedSlices` with one row per lookup, so a token seen twice in a batch
@@ -36,6 +36,15 @@ Three fixes, each acting only where its bug applies:
   unsupported). The replacement creates the slots of a sharded variable without
   colocation, and the strategy's partitioner shards them like the variable; every
   other variable's slots are Keras's own.
+- **Slots beside their variables** (`SLOTS_BESIDE_THEIR_VARIABLES`, for `tfdist.parallel`).
+  Keras puts a slot beside its variable with `colocate_vars_with`, which in a traced
+  function is a graph colocation; the slot variable is created under `tf.init_scope`,
+  outside that graph, and lands on the default device. `model.fit` of a model built
+  before it builds the optimizer in its first traced step, so every Adam moment of a
+  model spread over devices ended on device 0 (measured: a 2-stage pipeline, all 8
+  moments on CPU:0). The replacement also opens `tf.device` of the variable, which
+  `tf.init_scope` keeps; only in a traced function, outside any tf.distribute strategy
+  (whose own placement stands), and never for a ShardedVariable.
 
 Example:
 
@@ -80,6 +89,32 @@ SHARDED_SLOT_VARIABLES = Patch(
     upstream="keras-team/keras#18624 (parameter-server training left unsupported)",
     summary="the optimizer cannot create slots for a ShardedVariable: 'ShardedVariable "
             "doesn't support being used as a reference'")
+
+
+def _colocated_when_traced(original: Callable) -> Callable:
+    import tensorflow as tf
+
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        reference = getattr(reference_variable, "value", reference_variable)
+        device = getattr(reference, "device", "")
+        if (tf.executing_eagerly() or not device or tf.distribute.has_strategy()
+                or shards_of(reference_variable) is not None):
+            return original(self, reference_variable, name=name, initializer=initializer)
+        with tf.device(device):
+            return original(self, reference_variable, name=name, initializer=initializer)
+
+    return add_variable_from_reference
+
+
+SLOTS_BESIDE_THEIR_VARIABLES = Patch(
+    "keras.optimizer.slots_beside_their_variables",
+    owner=_optimizer_class, attribute="add_variable_from_reference",
+    replacement=_colocated_when_traced,
+    bug_present=lambda original: source_contains(original, "colocate_vars_with"),
+    upstream="none filed: Keras colocates a slot with `colocate_vars_with`, a graph "
+             "colocation that the variable, created under `tf.init_scope`, does not keep",
+    summary="an optimizer built in the traced train step (model.fit of a built model) "
+            "puts every slot on the default device, not beside its variable")
 
 
 def sum_repeated_rows(gradient: Any) -> Any:

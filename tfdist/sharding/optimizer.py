@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
+from tfdist.optimizers import recreated
 from tfdist.patches.keras_optimizer import sum_repeated_rows
 from tfdist.sharding.layout import Piece, ShardLayout
 from tfdist.sharding.state import plain_order
@@ -393,12 +394,9 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
         optimizer = sharded_optimizer(keras.optimizers.AdamW(1e-3), collectives, stage=2)
     """
     check_stage(stage, optimizer)
-    sharded = _sharded_class(type(optimizer)).from_config(optimizer.get_config())
+    sharded = recreated(optimizer, _sharded_class(type(optimizer)))
     sharded._collectives = collectives
     sharded.zero_stage = stage
-    for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
-        if getattr(optimizer, name, None) is not None:  # Not in the config.
-            setattr(sharded, name, getattr(optimizer, name))
     return sharded
 
 

@@ -47,6 +47,10 @@ class ParameterServerAdapter(Adapter):
     zero_refusal = ("its variables and their optimizer state live on the parameter servers "
                     "already, split among them, not replicated on the workers; set "
                     "zero_stage 0")
+    model_parallel_refusal = (
+        "its variables live on the parameter servers, placed by the strategy, and the "
+        "workers' steps run on one device each; use strategy horovod (each rank one copy of "
+        "the model over its devices) or one_device")
 
     patches = PARAMETER_SERVER
 
