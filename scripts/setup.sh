@@ -40,6 +40,14 @@ fi
 echo "setup: installing tfdist[$TF_BUILD,test] into $VENV"
 "$VENV/bin/python" -m pip install -q -e ".[$TF_BUILD,test]"
 
+# keras-hub's BERT and GPT-2 are users' models the tests train (public code nobody here
+# wrote). Installed without its declared dependencies: it requires tensorflow-text, which
+# requires the `tensorflow` distribution and would install a second TensorFlow over
+# tensorflow-cpu. Its models import regex and tokenizers, and need nothing else.
+echo "setup: installing keras-hub (for the tests) into $VENV"
+"$VENV/bin/python" -m pip install -q --no-deps "keras-hub==0.32.0"
+"$VENV/bin/python" -m pip install -q "regex>=2023" "tokenizers>=0.19"
+
 # matplotlib draws `make bench`'s plots, and nothing else needs it. Keras imports
 # matplotlib.pyplot whenever it can (keras.src.visualization), which costs every process
 # that imports TensorFlow about 0.9 s of CPU here; so it goes to a directory of its own

@@ -39,6 +39,12 @@ def pytest_configure(config):
     # (tests/adapters/test_horovod.py's fp16 test, 3 copies at once). Every process the
     # tests start inherits this.
     os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    # Ranks waiting for each other in a collective (an ordering deadlock) fail a test in
+    # under a minute, not at its timeout: Horovod names the tensors each rank is missing
+    # after 10 s, and shuts down after 40 s (a rank tracing its first step on a loaded
+    # machine can lag its peer by several seconds, which must not fail a test).
+    os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "10")
+    os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "40")
 
 
 def pytest_report_header(config):

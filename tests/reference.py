@@ -65,6 +65,17 @@ def initial_weights(seed: int = 11, **model_options) -> list[np.ndarray]:
     return [weight.copy() for weight in make_model(**model_options).get_weights()]
 
 
+def mnist_like(count: int = 1024, seed: int = 0) -> tuple[tuple[np.ndarray, np.ndarray], None]:
+    """What `keras.datasets.mnist.load_data()` returns, made here (no network): `count`
+    28x28 uint8 images, label k lighting row 2 + 2k over noise, and labels; no test split.
+    """
+    rng = np.random.RandomState(seed)
+    labels = rng.randint(0, 10, count)
+    images = rng.randint(0, 80, (count, 28, 28)).astype("uint8")
+    images[np.arange(count), 2 + 2 * labels, 4:24] = 255
+    return (images, labels.astype("int64")), None
+
+
 IMAGE_SHAPE = (6, 6, 2)
 
 

@@ -40,6 +40,7 @@ from tfdist.devices import model_devices
 from tfdist.errors import ConfigError
 from tfdist.horovod import collectives, elastic
 from tfdist.horovod.collectives import AverageMetrics, BroadcastState, ShardCollectives
+from tfdist.horovod.ordering import in_step_order
 from tfdist.optimizers import GradientReducingOptimizer
 from tfdist.patches import HOROVOD
 from tfdist.resume.preemption import StopAgreement, VotedStop
@@ -250,9 +251,9 @@ class HorovodAdapter(Adapter):
         """
         if self._voting:
             stop_flag, stop_votes = self._stop_vote
-            stop_votes.assign(self.hvd.allreduce(stop_flag.read_value(), op=self.hvd.Sum,
-                                                 name="tfdist_stop_vote",
-                                                 ignore_name_scope=True))
+            stop_votes.assign(in_step_order(lambda: self.hvd.allreduce(
+                stop_flag.read_value(), op=self.hvd.Sum, name="tfdist_stop_vote",
+                ignore_name_scope=True)))
         else:
             self._traced_without_vote = True
 
@@ -271,8 +272,9 @@ class HorovodAdapter(Adapter):
         hvd = self.hvd
 
         def all_ranks_finite(finite: Any) -> Any:
-            votes = hvd.allreduce(tf.cast(finite, tf.int32), op=hvd.Min,
-                                  name="tfdist_all_ranks_finite", ignore_name_scope=True)
+            votes = in_step_order(lambda: hvd.allreduce(
+                tf.cast(finite, tf.int32), op=hvd.Min, name="tfdist_all_ranks_finite",
+                ignore_name_scope=True))
             return tf.cast(votes, tf.bool)
 
         return all_ranks_finite

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import numbers
 from types import ModuleType
 from typing import Any, Callable, Iterable, Sequence
@@ -26,6 +27,7 @@ import tensorflow as tf
 
 from tfdist import sharding
 from tfdist.errors import ConfigError
+from tfdist.horovod.ordering import in_step_order
 
 
 def import_horovod() -> ModuleType:
@@ -78,9 +80,11 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
     compression = compression or hvd.Compression.none
     process_set = process_set or hvd.global_process_set
     as_dense = sparse_as_dense or op == hvd.Adasum
-    scaling = dict(prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                   device_dense=device_dense, device_sparse=device_sparse,
-                   ignore_name_scope=ignore_name_scope)
+    options = dict(op=op, compression=compression, process_set=process_set,
+                   prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                   device_dense=device_dense, ignore_name_scope=ignore_name_scope)
+    gather = dict(average=op == hvd.Average, process_set=process_set, device=device_sparse,
+                  ignore_name_scope=ignore_name_scope)
 
     def allreduce(grads: list[Any]) -> list[Any]:
         if as_dense:
@@ -91,12 +95,49 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
             # grouped_allreduce fails for it, reading a loop variable (`tensor`) that
             # its own loop never set (UnboundLocalError, horovod/tensorflow/__init__.py).
             # Horovod's background thread still fuses what is ready into one buffer.
-            return [hvd.allreduce(g, op=op, compression=compression, process_set=process_set,
-                                  **scaling) for g in grads]
-        return hvd.grouped_allreduce(grads, op=op, compression=compression,
-                                     process_set=process_set, **scaling)
+            return [_gathered_rows(hvd, [g], **gather)[0] if isinstance(g, tf.IndexedSlices)
+                    else in_step_order(functools.partial(hvd.allreduce, g, **options))
+                    for g in grads]
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+        reduced = list(grads)
+        if dense:
+            summed = in_step_order(functools.partial(
+                hvd.grouped_allreduce, [grads[i] for i in dense], **options))
+            for i, value in zip(dense, summed):
+                reduced[i] = value
+        if sparse:
+            for i, value in zip(sparse, _gathered_rows(hvd, [grads[i] for i in sparse],
+                                                       **gather)):
+                reduced[i] = value
+        return reduced
 
     return allreduce
+
+
+def _gathered_rows(hvd: ModuleType, slices: list[tf.IndexedSlices], *, average: bool,
+                   process_set: Any, device: str,
+                   ignore_name_scope: bool) -> list[tf.IndexedSlices]:
+    """Sparse gradients combined as Horovod combines them: every rank's rows, gathered
+    (indices, then values, each in one grouped allgather issued in step order), and
+    divided by the number of ranks for an average.
+
+    Horovod's own `allreduce` of a `tf.IndexedSlices` issues its two allgathers with no
+    order between them, and those of several gradients likewise (see `ordering`).
+    """
+    with tf.device(device):
+        indices = in_step_order(functools.partial(
+            hvd.grouped_allgather, [s.indices for s in slices], process_set=process_set,
+            ignore_name_scope=ignore_name_scope))
+        values = in_step_order(functools.partial(
+            hvd.grouped_allgather, [s.values for s in slices], process_set=process_set,
+            ignore_name_scope=ignore_name_scope))
+        if average:
+            # The size as an op, as Horovod has it: right after an elastic resize too.
+            ranks = hvd.size_op(process_set_id=process_set.process_set_id)
+            values = [v / tf.cast(ranks, v.dtype) for v in values]
+    return [tf.IndexedSlices(v, i, dense_shape=s.dense_shape)
+            for v, i, s in zip(values, indices, slices)]
 
 
 class ShardCollectives(sharding.ShardCollectives):
@@ -131,15 +172,18 @@ class ShardCollectives(sharding.ShardCollectives):
     def average_slice(self, flat: tf.Tensor) -> tf.Tensor:
         if self._before_update is not None:
             self._before_update()
-        return self._hvd.reducescatter(flat, op=self._hvd.Average, name="tfdist_zero_gradients",
-                                       ignore_name_scope=True)
+        return in_step_order(functools.partial(
+            self._hvd.reducescatter, flat, op=self._hvd.Average, name="tfdist_zero_gradients",
+            ignore_name_scope=True))
 
     def concatenate(self, flat: tf.Tensor) -> tf.Tensor:
-        return self._hvd.allgather(flat, name="tfdist_zero_weights", ignore_name_scope=True)
+        return in_step_order(functools.partial(
+            self._hvd.allgather, flat, name="tfdist_zero_weights", ignore_name_scope=True))
 
     def sum(self, values: tf.Tensor) -> tf.Tensor:
-        return self._hvd.allreduce(values, op=self._hvd.Sum, name="tfdist_zero_norms",
-                                   ignore_name_scope=True)
+        return in_step_order(functools.partial(
+            self._hvd.allreduce, values, op=self._hvd.Sum, name="tfdist_zero_norms",
+            ignore_name_scope=True))
 
 
 class BroadcastState(keras.callbacks.Callback):

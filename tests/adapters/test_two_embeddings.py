@@ -1,0 +1,92 @@
+"""Models with two Embeddings (two sparse gradients every step) equal one device, on real
+ranks: tfdist's own pair and keras-hub's BERT (a token, a segment and a position
+embedding), under horovod at zero_stage 0, 1 and 2 with and without accumulation, and
+under mirrored and multi_worker.
+
+Every collective a step issues goes in one order on every rank (tfdist.horovod.ordering):
+without it, zero_stage 1 on BERT waited for ever, each rank in the other's allgather. The
+ranks run with Horovod's stall check at a few seconds (conftest), so a wait of that kind
+fails here in seconds and names the tensors.
+"""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, TFDIST, mpirun, run_command
+
+pytestmark = [pytest.mark.multiprocess]
+
+SCRIPT = str(REPO / "tests" / "scripts" / "embeddings_training.py")
+TOLERANCE = 1e-5
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+import embeddings_training as job  # noqa: E402
+
+HOROVOD_VARIANTS = {f"s{stage}_acc{accumulation}": [f"--stage={stage}",
+                                                    f"--accumulation={accumulation}"]
+                    for stage in (0, 1, 2) for accumulation in (1, 2)}
+
+
+def weights_of(folder, rank):
+    saved = np.load(folder / f"rank{rank}.npz")
+    return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+
+_references = {}
+
+
+def one_device(kind):
+    """Plain one-device training with the exact update, on the same global batches."""
+    if kind not in _references:
+        import keras
+
+        keras.backend.clear_session()
+        _references[kind] = job.train("one_device", kind).get_weights()
+    return _references[kind]
+
+
+def check(folder, kind, ranks):
+    expected = one_device(kind)
+    for rank in range(ranks):
+        weights = weights_of(folder, rank)
+        difference = max(float(np.max(np.abs(a - b))) for a, b in zip(weights, expected))
+        assert difference < TOLERANCE, (folder.name, rank, difference)
+
+
+@pytest.fixture(scope="module", params=["pair", "bert"])
+def horovod_runs(request, tmp_path_factory):
+    """Every horovod variant of one model, in one `mpirun -np 2` launch."""
+    out = tmp_path_factory.mktemp(f"two_embeddings_{request.param}")
+    variants = {name: [f"--model={request.param}", *args]
+                for name, args in HOROVOD_VARIANTS.items()}
+    result = run_command(mpirun(sys.executable, SCRIPT, str(out), "--variants",
+                                json.dumps(variants)), cwd=out, timeout=240)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return request.param, out
+
+
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.parametrize("variant", sorted(HOROVOD_VARIANTS))
+def test_horovod_equals_one_device(horovod_runs, variant):
+    kind, out = horovod_runs
+    check(out / variant, kind, 2)
+
+
+@pytest.mark.parametrize("kind", ["pair", "bert"])
+def test_mirrored_equals_one_device(kind, tmp_path):
+    result = run_command([sys.executable, SCRIPT, str(tmp_path), "--strategy=mirrored",
+                          f"--model={kind}"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    check(tmp_path, kind, 1)
+
+
+@pytest.mark.parametrize("kind", ["pair", "bert"])
+def test_multi_worker_equals_one_device(kind, tmp_path):
+    result = run_command([TFDIST, "launch", "-n", "2", "--", sys.executable, SCRIPT,
+                          str(tmp_path), "--strategy=multi_worker", f"--model={kind}"],
+                         cwd=tmp_path, timeout=150)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    check(tmp_path, kind, 2)
