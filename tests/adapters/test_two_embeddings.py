@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import REPO, TFDIST, mpirun, run_command
 
-pytestmark = [pytest.mark.multiprocess]
+pytestmark = [pytest.mark.xdist_group("adapters_two_embeddings"), pytest.mark.multiprocess]
 
 SCRIPT = str(REPO / "tests" / "scripts" / "embeddings_training.py")
 TOLERANCE = 1e-5
