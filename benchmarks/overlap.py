@@ -5,11 +5,10 @@ Two processes train ResNet-50 (25.6 M parameters, 214 gradient tensors, 98 MB;
 strategy's two ways of reducing gradients race:
 
 - horovod: one grouped allreduce once every gradient is computed
-  (`horovod.grouped: true`) against one allreduce per gradient, each started as
-  soon as its gradient is computed and batched by Horovod's fusion buffer
-  (`grouped: false`, the default: this benchmark measured it no slower,
-  per-tensor/grouped 0.99, 0.91, 0.95 and 1.02 in four runs, and it is the default of
-  Horovod's own DistributedOptimizer). Both in the same 2 ranks under mpirun: two Runners, two
+  (`horovod.grouped: true`) against the default, `grouped: false`: buckets of 25 MB, the
+  last layers' first, each one grouped allreduce started as soon as its gradients are
+  computed and after the bucket before it (collectives go in one order on every rank,
+  `tfdist/horovod/ordering.py`). Both in the same 2 ranks under mpirun: two Runners, two
   models, alternating epochs.
 - multi_worker: one pack of all gradients (`multi_worker.bytes_per_pack: 0`)
   against packs of 25 MB (PyTorch DDP's bucket size), each all-reduced when its
@@ -23,7 +22,7 @@ step time over the first's (below 1: the second is faster).
 
     .venv/bin/python benchmarks/overlap.py [--epochs 4] [--steps 4] [--repeats 1]
 
-The last line is JSON: `horovod_per_tensor_over_grouped` and
+The last line is JSON: `horovod_buckets_over_grouped` and
 `multi_worker_packed_over_one_pack` (step-time ratios), and the steps per second.
 """
 
@@ -77,11 +76,11 @@ def train(runner, epochs: int, steps: int, model_name: str = "resnet50"):
 
 
 def horovod_ranks(args: argparse.Namespace) -> None:
-    """On each rank: grouped against per-tensor, alternating epochs; rank 0 writes rates."""
+    """On each rank: grouped against buckets, alternating epochs; rank 0 writes rates."""
     import tfdist
 
     runs = {}
-    for name, grouped in (("grouped", True), ("per_tensor", False)):
+    for name, grouped in (("grouped", True), ("buckets", False)):
         runner = tfdist.Runner(tfdist.load_config(overrides={
             "strategy": "horovod", "precision": "float32", "seed": 0,
             "horovod.grouped": grouped}))
@@ -134,10 +133,10 @@ def main() -> None:
                                what="overlap: the horovod ranks")
         rates["horovod"] = horovod
         figures.append(figure(
-            "horovod_per_tensor_over_grouped", f"horovod, {label}, 2 ranks: "
-            "step time, per-tensor allreduce / one grouped allreduce",
-            [grouped / per_tensor for grouped, per_tensor in zip(horovod["grouped"],
-                                                                 horovod["per_tensor"])]))
+            "horovod_buckets_over_grouped", f"horovod, {label}, 2 ranks: "
+            "step time, 25 MB buckets / one grouped allreduce",
+            [grouped / buckets for grouped, buckets in zip(horovod["grouped"],
+                                                           horovod["buckets"])]))
     packs = {"one_pack": [], "packed": []}
     for _ in range(args.repeats):
         for name, pack in (("one_pack", 0), ("packed", PACK_BYTES)):

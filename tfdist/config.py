@@ -123,10 +123,10 @@ class HorovodConfig:
     compression: Compression = _field(
         Compression.NONE, "Gradient compression on the wire: none or fp16.")
     grouped: bool = _field(
-        False, "Reduce each gradient as soon as it is computed, batched by Horovod's fusion "
-               "buffer, overlapping the backward pass (false: measured as fast or faster, "
-               "see benchmarks/overlap.py), or all in one grouped allreduce once every "
-               "gradient is computed (true).")
+        False, "Reduce the gradients in buckets of 25 MB, the last layers' first, each as "
+               "soon as its gradients are computed, overlapping the backward pass (false), "
+               "or all in one grouped allreduce once every gradient is computed (true); "
+               "benchmarks/overlap.py compares them.")
     sparse_as_dense: bool = _field(
         False, "Allreduce sparse gradients (embeddings) as dense tensors instead of "
                "allgathering them; faster when most rows change every step.")

@@ -46,13 +46,23 @@ def tf_variable(variable: Any) -> tf.Variable:
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
+# PyTorch DDP's default bucket: big enough that a bucket's fixed cost is small beside its
+# transfer, small enough that the first is ready early in the backward pass.
+BUCKET_BYTES = 25 * 2**20
+
+
 def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
                        sparse_as_dense: bool = False, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0, process_set: Any = None,
                        device_dense: str = "", device_sparse: str = "",
-                       grouped: bool = True,
+                       grouped: bool = True, bucket_bytes: int = BUCKET_BYTES,
                        ignore_name_scope: bool = False) -> Callable[[list[Any]], list[Any]]:
-    """The allreduce of a list of gradients: one grouped call, or one call per gradient.
+    """The allreduce of a list of gradients: one grouped call, or one per bucket.
+
+    Every collective is issued in step order (`tfdist.horovod.ordering`): each starts
+    once the one before it has finished, so the dense gradients go in a few grouped
+    calls, not one chained call each (measured: ResNet-50's 214 gradients chained one
+    by one made a step 20% slower than Horovod's own unordered loop).
 
     Args:
         hvd: The `horovod.tensorflow` module, initialised.
@@ -65,10 +75,11 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
         process_set: The ranks that reduce together; None: all of them.
         device_dense: Where dense gradients are reduced ("": Horovod's default).
         device_sparse: Where sparse gradients are reduced.
-        grouped: One `grouped_allreduce`, which starts once every gradient is computed;
-            False: one `allreduce` per gradient, each started as soon as its gradient
-            is computed, which Horovod's fusion buffer batches per cycle. Adasum is
-            always per gradient.
+        grouped: One `grouped_allreduce` of every dense gradient, which starts once all
+            are computed; False: buckets of about `bucket_bytes`, the last layers'
+            first, each started as soon as its gradients are computed (overlapping the
+            rest of the backward pass). Adasum is always per gradient.
+        bucket_bytes: The size of a bucket when not `grouped`.
         ignore_name_scope: Name each op by its gradient alone, without the scopes of the
             functions it runs in, which differ between ranks whose steps differ (each
             updating its own partition of sharded state).
@@ -90,21 +101,20 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
         if as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
-        if op == hvd.Adasum or not grouped:
-            # Per gradient when asked, and always for Adasum: Horovod 0.28.1's
-            # grouped_allreduce fails for it, reading a loop variable (`tensor`) that
-            # its own loop never set (UnboundLocalError, horovod/tensorflow/__init__.py).
-            # Horovod's background thread still fuses what is ready into one buffer.
+        if op == hvd.Adasum:
+            # One call per gradient: Horovod 0.28.1's grouped_allreduce fails for Adasum,
+            # reading a loop variable (`tensor`) that its own loop never set
+            # (UnboundLocalError, horovod/tensorflow/__init__.py).
             return [_gathered_rows(hvd, [g], **gather)[0] if isinstance(g, tf.IndexedSlices)
                     else in_step_order(functools.partial(hvd.allreduce, g, **options))
                     for g in grads]
         sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
         dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
         reduced = list(grads)
-        if dense:
+        for bucket in ([dense] if grouped else _buckets(grads, dense, bucket_bytes)):
             summed = in_step_order(functools.partial(
-                hvd.grouped_allreduce, [grads[i] for i in dense], **options))
-            for i, value in zip(dense, summed):
+                hvd.grouped_allreduce, [grads[i] for i in bucket], **options))
+            for i, value in zip(bucket, summed):
                 reduced[i] = value
         if sparse:
             for i, value in zip(sparse, _gathered_rows(hvd, [grads[i] for i in sparse],
@@ -113,6 +123,25 @@ def gradient_allreduce(hvd: ModuleType, *, op: Any, compression: Any = None,
         return reduced
 
     return allreduce
+
+
+def _buckets(grads: list[Any], indices: list[int], bucket_bytes: int) -> list[list[int]]:
+    """`indices` in buckets of about `bucket_bytes`, the last gradients first.
+
+    The backward pass computes the last layers' gradients first, so the first bucket is
+    ready (and reduced) while the pass goes on, as in PyTorch DDP.
+    """
+    buckets: list[list[int]] = []
+    size = bucket_bytes
+    for i in reversed(indices):
+        nbytes = grads[i].shape.num_elements() or 0
+        nbytes *= grads[i].dtype.size
+        if size + nbytes > bucket_bytes and (not buckets or buckets[-1]):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
 
 
 def _gathered_rows(hvd: ModuleType, slices: list[tf.IndexedSlices], *, average: bool,
