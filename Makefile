@@ -18,7 +18,7 @@ COMPAT := .compat/keras-$(KERAS)
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup.sh scripts/install_horovod.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/install_horovod.sh tfdist/horovod/install_horovod.sh
 	PYTHON=$(PYTHON) TF_BUILD=$(TF_BUILD) scripts/setup.sh
 	touch $@
 

@@ -12,7 +12,10 @@
 tfdist adds --config, --strategy, --precision, --accumulation_steps, --checkpoint_dir and
 --set KEY=VALUE; the script adds its own flags beside them. With --checkpoint_dir, a run
 started again (after a crash, or SIGTERM, which saves and exits with status 143) goes on
-from the step after its newest checkpoint. The chief prints a JSON line at the end.
+from the step after its newest checkpoint. The chief prints a JSON line at the end. Bad
+input prints one line, `keras_fit.py: error: ...`, and exits with status 2, as `tfdist`
+does. `--set train.*` is refused: those keys are `tfdist train`'s own job; this script's
+are --epochs and --global_batch_size.
 """
 
 import json
@@ -62,14 +65,30 @@ def build_model() -> keras.Model:
     ])
 
 
+def fail(message: str) -> None:
+    """Bad input: one line and exit status 2, as the `tfdist` command does."""
+    print(f"keras_fit.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv):
     del argv  # Unused: everything comes in through flags.
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # absl's app.run shows INFO; --verbosity=0 does
+    if _EPOCHS.value < 1:
+        fail(f"--epochs must be >= 1. Received: --epochs={_EPOCHS.value}")
     try:
-        runner = tfdist.Runner.from_flags()
-    except tfdist.ConfigError as error:
-        raise app.UsageError(str(error)) from None
+        fit_and_report(tfdist.Runner.from_flags())
+    except tfdist.ConfigError as error:  # a flag, a config value, the batch size
+        fail(str(error))
+
+
+def fit_and_report(runner: "tfdist.Runner") -> None:
+    """Trains the model under `runner`; the chief prints a JSON summary."""
+    if runner.config.train != tfdist.config.TrainConfig():
+        raise tfdist.ConfigError("train.* keys set the job of `tfdist train`, which this "
+                                 "script does not run; use its own --epochs and "
+                                 "--global_batch_size")
     if runner.is_chief:
         print(runner.summary(), file=sys.stderr, flush=True)
 

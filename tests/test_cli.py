@@ -181,12 +181,24 @@ def test_example_script_trains_a_users_model_quietly(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_example_script_reports_bad_input_without_a_traceback(tmp_path):
-    result = run_command([sys.executable, str(REPO / "examples" / "keras_fit.py"),
-                          "--strategy=mirored"], cwd=tmp_path)
-    assert result.returncode != 0
-    assert "did you mean 'mirrored'" in result.stderr
-    assert "Traceback" not in result.stderr
+@pytest.mark.parametrize("arguments, line", [
+    (["--strategy=mirored"], "unknown strategy 'mirored'; did you mean 'mirrored'?"),
+    (["--epochs=-1"], "--epochs must be >= 1. Received: --epochs=-1"),
+    (["--set", "train.epochs=2"], "train.* keys set the job of `tfdist train`, which this "
+                                  "script does not run; use its own --epochs and "
+                                  "--global_batch_size"),
+    (["--strategy=mirrored", "--set", "mirrored.cpu_replicas=2", "--global_batch_size=63"],
+     "global_batch_size 63 does not divide across 2 replicas"),
+], ids=["strategy", "epochs", "train_keys", "batch"])
+def test_example_script_reports_bad_input_in_one_line_with_status_2(arguments, line, tmp_path):
+    result = run_command([sys.executable, str(REPO / "examples" / "keras_fit.py"), *arguments],
+                         cwd=tmp_path)
+    said = [text for text in result.stderr.splitlines()
+            if text.strip() and not is_tensorflow_log_line(text)
+            and not text.startswith("tfdist: strategy")]  # the chief's summary line
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(said) == 1 and said[0].startswith("keras_fit.py: error: ") and line in said[0], \
+        said
 
 
 def test_a_lost_cluster_is_one_line_with_status_1(capsys):

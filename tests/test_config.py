@@ -147,3 +147,19 @@ def test_gradient_grouping_options():
     assert (Config().multi_worker.bytes_per_pack, Config().horovod.grouped) == (0, False)
     with pytest.raises(ConfigError, match="multi_worker.bytes_per_pack"):
         load_config(overrides={"multi_worker.bytes_per_pack": -1})
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: load_config(overrides="strategy=mirrored"),
+     "load_config's overrides must be a mapping of keys to values, such as {\"strategy\": "
+     "\"mirrored\", \"train.epochs\": 2}. Received: str 'strategy=mirrored'"),
+    (lambda: load_config({"strategy": "mirrored"}),
+     "load_config's first argument is a file or a preset's name; pass values as overrides: "
+     "load_config(overrides={...}). Received: {'strategy': 'mirrored'}"),
+    (lambda: load_config(3), "load_config's path must be a file path or a preset's name. "
+                             "Received: int"),
+], ids=["overrides_as_a_string", "overrides_as_the_path", "a_number_as_the_path"])
+def test_arguments_of_the_wrong_kind_are_one_line(call, message):
+    with pytest.raises(ConfigError) as raised:
+        call()
+    assert str(raised.value) == message

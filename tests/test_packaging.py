@@ -1,6 +1,7 @@
 """The wheel, installed into a fresh environment outside the repository, trains from a preset."""
 
 import json
+import re
 import subprocess
 import sys
 import sysconfig
@@ -13,28 +14,54 @@ from tests.conftest import REPO, last_json_line, run_command
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """A virtual environment holding only the wheel; TensorFlow and the other dependencies
-    come from this environment's site-packages, added as a plain path (so this
-    environment's editable tfdist is not seen there)."""
+def wheel(tmp_path_factory):
     root = tmp_path_factory.mktemp("wheel")
     built = run_command([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w",
                          str(root / "dist"), str(REPO)], cwd=root, timeout=300)
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
-    (wheel,) = (root / "dist").glob("tfdist-*.whl")
+    (found,) = (root / "dist").glob("tfdist-*.whl")
+    return found
+
+
+def environment(root, wheel, dependencies):
+    """A virtual environment in `root` holding only the wheel, and `dependencies` (a
+    folder) on its path; returns its bin folder and an empty folder to run in."""
     env = root / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     python = env / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; "
                                 "print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
-    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (site / "dependencies.pth").write_text(f"{dependencies}\n")
     done = run_command([str(python), "-m", "pip", "install", "--no-deps", "--no-index",
                         "--ignore-installed", str(wheel)], cwd=root, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     elsewhere = root / "elsewhere"
     elsewhere.mkdir()
     return env / "bin", elsewhere
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory):
+    """The wheel; TensorFlow and the other dependencies come from this environment's
+    site-packages, added as a plain path (so this environment's editable tfdist is not
+    seen there)."""
+    return environment(tmp_path_factory.mktemp("env"), wheel, sysconfig.get_paths()["purelib"])
+
+
+@pytest.fixture(scope="module")
+def without_tensorflow(wheel, tmp_path_factory):
+    """The wheel installed without its extra: every dependency of this environment but
+    TensorFlow (and TensorBoard, which comes with it), each linked into one folder."""
+    root = tmp_path_factory.mktemp("no_tf")
+    dependencies = root / "dependencies"
+    dependencies.mkdir()
+    for path in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        name = path.name.lower()
+        if not name.startswith(("tensorflow", "tensorboard", "tf_keras", "tfdist",
+                                "__editable__")) and path.suffix != ".pth":
+            (dependencies / path.name).symlink_to(path)
+    return environment(root, wheel, dependencies)
 
 
 @pytest.mark.multiprocess
@@ -65,3 +92,34 @@ def test_the_wheel_trains_a_preset_by_name_and_under_its_launcher(installed):
                            timeout=180)
     assert launched.returncode == 0, launched.stdout[-3000:]
     assert json.loads(task_output(launched.stdout, "worker:0")[-1])["replicas"] == 2
+
+
+@pytest.mark.multiprocess
+def test_without_its_tensorflow_extra_the_wheel_says_which_to_install(without_tensorflow):
+    bin_dir, elsewhere = without_tensorflow
+    line = ("tfdist: error: TensorFlow is not installed in this environment; install tfdist "
+            "with its extra: pip install 'tfdist[cpu]' (or 'tfdist[gpu]' on NVIDIA GPUs)")
+    for command in (["train"], ["env"], ["train", "--strategy", "horovod"]):
+        result = run_command([str(bin_dir / "tfdist"), *command], cwd=elsewhere)
+        assert (result.returncode, result.stderr.splitlines()) == (2, [line]), result.stderr
+    python = run_command([str(bin_dir / "python"), "-c",
+                          "import tfdist\ntry:\n    tfdist.Runner()\nexcept ModuleNotFoundError "
+                          "as error:\n    print(error)"], cwd=elsewhere)
+    assert python.stdout.strip() == line.removeprefix("tfdist: error: "), python.stderr[-2000:]
+    assert run_command([str(bin_dir / "tfdist"), "--version"], cwd=elsewhere).returncode == 0
+
+
+@pytest.mark.multiprocess
+def test_without_horovod_the_wheel_names_a_script_it_holds(installed):
+    bin_dir, elsewhere = installed
+    # A None entry in sys.modules makes `import horovod` fail, as when it is not installed.
+    code = ("import sys; sys.modules['horovod'] = None; from tfdist.app.cli import main; "
+            "main(['tfdist', 'train', '--strategy=horovod'])")
+    result = run_command([str(bin_dir / "python"), "-c", code], cwd=elsewhere)
+    assert result.returncode == 2
+    (line,) = [text for text in result.stderr.splitlines() if text.startswith("tfdist: error:")]
+    command = re.search(r"`HOROVOD_PYTHON=(\S+) bash (\S+)`", line)
+    assert command, line
+    python, script = command.groups()
+    assert python == str(bin_dir / "python")
+    assert script.startswith(str(bin_dir.parent)) and Path(script).is_file(), script

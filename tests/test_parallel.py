@@ -294,6 +294,17 @@ def test_balance_none_cuts_eight_equal_blocks_four_and_four():
     assert model.balance == [4, 4]
 
 
+def test_fewer_layers_than_devices_says_which_devices_stay_idle(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING), tfdist.parallel.use_devices(DEVICES):
+        model = Pipeline([keras.layers.Dense(FEATURES)], input_shape=(FEATURES,))
+    assert model.balance == [1]
+    said = [r.getMessage() for r in caplog.records if "stay idle" in r.getMessage()]
+    assert said == ["tfdist: Pipeline has 1 layers for 2 devices: 1 devices stay idle (a stage "
+                    "holds at least one layer); set model_parallel.devices to 1"]
+
+
 @pytest.mark.parametrize("costs, stages, sizes", [
     ([1] * 8, 2, [4, 4]),
     ([4, 1, 1, 1, 1], 2, [1, 4]),

@@ -164,3 +164,11 @@ def test_the_runner_names_the_patches_its_strategy_applied(caplog):
     finally:
         absl_logging.set_verbosity(verbosity)
         patches.undo_all()
+
+
+def test_a_checkpoint_dir_that_is_not_a_path_is_one_line():
+    runner = Runner(load_config(overrides={"strategy": "one_device"}), cluster=ClusterInfo())
+    with pytest.raises(ConfigError) as raised:
+        runner.callbacks(checkpoint_dir=123)
+    assert str(raised.value) == ("checkpoint_dir must be a folder's path (a str or a "
+                                 "pathlib.Path). Received: checkpoint_dir=123")

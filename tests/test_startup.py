@@ -106,6 +106,28 @@ def test_a_one_process_strategy_in_one_of_several_processes_is_refused(strategy,
         f"Received: strategy={strategy}, {why}")
 
 
+@pytest.mark.parametrize("cluster, why, tasks", [
+    (ClusterInfo(tf_config=parse_tf_config(tf_config(["a:1", "b:2", "c:3"], 1))),
+     "TF_CONFIG makes this process one of 3 tasks", 3),
+    (ClusterInfo(slurm=SlurmInfo(job_id="7", proc_id=0, num_tasks=2, local_id=0,
+                                 node_list="n1")),
+     "Slurm started 2 tasks", 2),
+], ids=["tf_config", "slurm"])
+def test_a_one_rank_horovod_world_in_one_of_several_processes_is_refused(cluster, why, tasks):
+    from tfdist.adapters.base import check_horovod_world
+
+    with pytest.raises(ConfigError) as raised:
+        check_horovod_world(1, cluster)
+    assert str(raised.value) == (
+        f"strategy horovod sees 1 rank, but {why}: each would train alone and overwrite the "
+        f"others' files. Start Horovod's ranks with its own launcher (mpirun -np {tasks} ... "
+        f"or horovodrun -np {tasks} ...), or use --strategy multi_worker under tfdist launch. "
+        f"Received: strategy=horovod, 1 Horovod rank, {why}")
+    # Horovod's launcher made the ranks: its world is theirs; a process alone is one rank.
+    assert check_horovod_world(3, cluster) is False
+    assert check_horovod_world(1, ClusterInfo()) is True
+
+
 def test_a_side_car_evaluator_of_a_cluster_may_evaluate_on_one_device():
     evaluator = parse_tf_config(json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:2"]},
                                             "task": {"type": "evaluator", "index": 0}}))
@@ -203,7 +225,14 @@ def test_a_signal_while_waiting_for_a_peer_ends_every_process_at_once(signal_num
      "one of 2 tasks: each would train alone and overwrite the others' files. Use --strategy "
      "multi_worker (or auto), or start one process. Received: strategy=mirrored, TF_CONFIG "
      "makes this process one of 2 tasks"),
-], ids=["multi_worker_beside_ps", "mirrored_under_launch"])
+    pytest.param(["-n", "2"], "horovod",
+                 "tfdist: error: strategy horovod sees 1 rank, but TF_CONFIG makes this process "
+                 "one of 2 tasks: each would train alone and overwrite the others' files. Start "
+                 "Horovod's ranks with its own launcher (mpirun -np 2 ... or horovodrun -np 2 "
+                 "...), or use --strategy multi_worker under tfdist launch. Received: "
+                 "strategy=horovod, 1 Horovod rank, TF_CONFIG makes this process one of 2 tasks",
+                 marks=pytest.mark.requires_horovod),
+], ids=["multi_worker_beside_ps", "mirrored_under_launch", "horovod_under_launch"])
 def test_a_strategy_the_launched_cluster_cannot_run_is_refused_by_every_task_at_once(
         launch, strategy, line, tmp_path):
     # Each task of the cluster `tfdist launch LAUNCH` makes, started on its own (as a

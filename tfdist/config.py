@@ -324,12 +324,28 @@ def load_config(path: str | os.PathLike | None = None,
 
         config = load_config(overrides={"strategy": "mirrored", "mirrored.cpu_replicas": 2})
     """
+    if isinstance(path, Mapping):
+        raise ConfigError("load_config's first argument is a file or a preset's name; pass "
+                          "values as overrides: load_config(overrides={...}). "
+                          f"Received: {_clip_value(path)}")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError("load_config's path must be a file path or a preset's name. "
+                          f"Received: {type(path).__name__}")
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError("load_config's overrides must be a mapping of keys to values, such "
+                          "as {\"strategy\": \"mirrored\", \"train.epochs\": 2}. "
+                          f"Received: {type(overrides).__name__} {_clip_value(overrides)}")
     data: dict[str, Any] = {}
     if path is not None:
         data = _read_yaml(_preset_or_path(path))
     if overrides:
         data = _deep_merge(data, _expand_dotted(overrides))
     return _coerce(data, Config, "")
+
+
+def _clip_value(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def config_keys(cls: type = Config, prefix: str = "") -> list[str]:

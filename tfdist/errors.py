@@ -28,3 +28,8 @@ class ClusterError(RuntimeError):
     Traceback (most recent call last):
     tfdist.errors.ClusterError: parameter server ps:0 ...
     """
+
+
+# TensorFlow is an extra of the package (its CPU and GPU builds have different names).
+MISSING_TENSORFLOW = ("TensorFlow is not installed in this environment; install tfdist with "
+                      "its extra: pip install 'tfdist[cpu]' (or 'tfdist[gpu]' on NVIDIA GPUs)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -31,7 +32,7 @@ from tfdist import patches, registry
 from tfdist.cluster import ClusterInfo, beyond_loopback, detect_cluster
 from tfdist.config import Config, Strategy, ThreadsConfig, load_config
 from tfdist.dataset_checks import check_source
-from tfdist.errors import ConfigError
+from tfdist.errors import MISSING_TENSORFLOW, ConfigError
 from tfdist.files import atomic_write_text, writable_folder
 from tfdist.precision import PrecisionPolicy, resolve_precision
 
@@ -80,6 +81,8 @@ class Runner:
     """
 
     def __init__(self, config: Config | None = None, *, cluster: ClusterInfo | None = None):
+        if importlib.util.find_spec("tensorflow") is None:
+            raise ModuleNotFoundError(MISSING_TENSORFLOW, name="tensorflow")
         config = load_config() if config is None else config
         if not isinstance(config, Config):
             raise ConfigError("Runner needs a tfdist.Config; build one with tfdist.load_config(). "
@@ -309,6 +312,9 @@ class Runner:
                                                                  save_every_steps=100))
         """
         options = self.config.checkpoint
+        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise ConfigError("checkpoint_dir must be a folder's path (a str or a pathlib.Path). "
+                              f"Received: checkpoint_dir={checkpoint_dir!r}")
         directory = options.dir if checkpoint_dir is None else os.fspath(checkpoint_dir)
         from tfdist.callbacks import StrategyScopeCheck
 

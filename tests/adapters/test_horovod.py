@@ -1,6 +1,7 @@
 """horovod under Keras 3 model.fit, with 2 real ranks started by mpirun (and horovodrun)."""
 
 import json
+import os
 import sys
 
 import keras
@@ -354,6 +355,21 @@ def test_without_horovod_one_line_says_how_to_install(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("tfdist: error:")]
     assert len(errors) == 1 and "make setup" in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
+def test_a_lone_process_says_once_that_it_is_one_rank(tmp_path):
+    result = run_command([TFDIST, "train", "--strategy=horovod", "--set", "train.epochs=1",
+                          "--set", "train.dataset=synthetic", "--set",
+                          "train.synthetic_examples=128"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    root = " --allow-run-as-root" if os.geteuid() == 0 else ""
+    notice = (f"tfdist: strategy horovod runs as 1 rank (started without mpirun or "
+              f"horovodrun); start N ranks with mpirun{root} -np N or horovodrun -np N to "
+              f"train on N")
+    assert result.stderr.splitlines().count(notice) == 1, result.stderr[-2000:]
+    assert last_json_line(result.stdout)["replicas"] == 1
 
 
 @pytest.mark.requires_mpi

@@ -286,21 +286,58 @@ def check_single_process(strategy: str, cluster: ClusterInfo) -> None:
     Raises:
         ConfigError: this process is one of several.
     """
-    tf_config, mpi, slurm = cluster.tf_config, cluster.mpi, cluster.slurm
-    if tf_config is not None and tf_config.task_type == "evaluator":
-        return  # A side-car evaluator runs beside the cluster, alone (TensorFlow's own role).
-    tasks = sum(len(addresses) for addresses in tf_config.cluster.values()) if tf_config else 1
-    if tasks > 1:
-        why, use = f"TF_CONFIG makes this process one of {tasks} tasks", "multi_worker"
-    elif mpi is not None and mpi.size > 1:
-        why, use = f"{mpi.launcher} started {mpi.size} ranks", "horovod"
-    elif slurm is not None and slurm.num_tasks > 1:
-        why, use = f"Slurm started {slurm.num_tasks} tasks", "multi_worker"
-    else:
+    several = _one_of_several(cluster)
+    if several is None:
         return
+    _, why, use = several
     raise ConfigError(f"strategy {strategy} trains in one process, but {why}: each would train "
                       f"alone and overwrite the others' files. Use --strategy {use} (or auto), "
                       f"or start one process. Received: strategy={strategy}, {why}")
+
+
+def check_horovod_world(size: int, cluster: ClusterInfo) -> bool:
+    """Refuses a one-rank Horovod world in one of several processes; True for a lone rank.
+
+    Horovod's ranks come from its own launcher (mpirun, horovodrun): the tasks of
+    `tfdist launch`, a TFJob or `srun` without MPI each see a world of 1 and would train
+    alone.
+
+    Args:
+        size: Horovod's world size, after `hvd.init()`.
+        cluster: Where this process runs.
+
+    Returns:
+        Whether this process is a lone rank (size 1, started alone).
+
+    Raises:
+        ConfigError: size 1 while this process is one of several tasks.
+    """
+    if size != 1:
+        return False
+    several = _one_of_several(cluster)
+    if several is None:
+        return True
+    tasks, why, _ = several
+    raise ConfigError(f"strategy horovod sees 1 rank, but {why}: each would train alone and "
+                      f"overwrite the others' files. Start Horovod's ranks with its own "
+                      f"launcher (mpirun -np {tasks} ... or horovodrun -np {tasks} ...), or "
+                      f"use --strategy multi_worker under tfdist launch. Received: "
+                      f"strategy=horovod, 1 Horovod rank, {why}")
+
+
+def _one_of_several(cluster: ClusterInfo) -> tuple[int, str, str] | None:
+    """(processes, why, the strategy to use) when a launcher made this one of several."""
+    tf_config, mpi, slurm = cluster.tf_config, cluster.mpi, cluster.slurm
+    if tf_config is not None and tf_config.task_type == "evaluator":
+        return None  # A side-car evaluator runs beside the cluster, alone (TensorFlow's role).
+    tasks = sum(len(addresses) for addresses in tf_config.cluster.values()) if tf_config else 1
+    if tasks > 1:
+        return tasks, f"TF_CONFIG makes this process one of {tasks} tasks", "multi_worker"
+    if mpi is not None and mpi.size > 1:
+        return mpi.size, f"{mpi.launcher} started {mpi.size} ranks", "horovod"
+    if slurm is not None and slurm.num_tasks > 1:
+        return slurm.num_tasks, f"Slurm started {slurm.num_tasks} tasks", "multi_worker"
+    return None
 
 
 def check_device(device: str, cluster: ClusterInfo, key: str) -> str:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
 
@@ -33,7 +35,7 @@ import tensorflow as tf
 
 from tfdist import sharding
 from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_function,
-                                  check_global_batch_size)
+                                  check_global_batch_size, check_horovod_world)
 from tfdist.cluster import ClusterInfo, set_default_environment
 from tfdist.config import Compression, Config, Reduction
 from tfdist.devices import model_devices
@@ -46,6 +48,9 @@ from tfdist.patches import HOROVOD
 from tfdist.resume.preemption import StopAgreement, VotedStop
 from tfdist.schedules import ScaledWarmup
 from tfdist.resume.shuffling import EpochShuffle
+
+
+_said_one_rank = False  # The lone-rank notice is said once per process.
 
 
 def import_horovod() -> ModuleType:
@@ -77,6 +82,14 @@ class HorovodAdapter(Adapter):
                 "HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(timeout) // 2)),
                 "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(2, int(timeout)))})
         self.hvd.init()
+        global _said_one_rank
+        if check_horovod_world(self.hvd.size(), cluster) and not _said_one_rank:
+            _said_one_rank = True
+            # Open MPI refuses root unless asked: the line says how, where it applies.
+            root = " --allow-run-as-root" if os.geteuid() == 0 else ""
+            print(f"tfdist: strategy horovod runs as 1 rank (started without mpirun or "
+                  f"horovodrun); start N ranks with mpirun{root} -np N or horovodrun -np N to "
+                  f"train on N", file=sys.stderr, flush=True)
         self._scaled_rates: list[ScaledWarmup] = []  # Follow the size after an elastic reset.
         self._voting = False  # Whether traced steps carry the preemption vote.
         self._traced_without_vote = False

@@ -18,6 +18,7 @@ line and exits with status 1. A preempted run (SIGTERM) saves and exits with 143
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -31,7 +32,7 @@ from tfdist import flags as tfdist_flags
 from tfdist import quiet
 from tfdist.cluster import set_default_environment
 from tfdist.config import config_keys, field_help, load_config
-from tfdist.errors import ClusterError, ConfigError
+from tfdist.errors import MISSING_TENSORFLOW, ClusterError, ConfigError
 
 _USAGE = """usage: tfdist COMMAND [FLAGS]
 
@@ -82,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if command == "supervise":
         sys.exit(_supervise(rest))
     _start_tensorflow = quiet.import_tensorflow if hide_tensorflow_log else _no_op
+    if command in ("train", "env") and importlib.util.find_spec("tensorflow") is None:
+        _fail(MISSING_TENSORFLOW)
     as_json = command == "env" and "--json" in rest
     if as_json:
         rest.remove("--json")
@@ -142,7 +145,9 @@ def _one_line_errors(command):
 
 def _peer_failure(error: Exception) -> str | None:
     """One line for a collective that timed out or lost a peer; None for anything else."""
-    import tensorflow as tf
+    tf = sys.modules.get("tensorflow")
+    if tf is None:  # Nothing ran a collective.
+        return None
 
     text = str(error)
     if isinstance(error, tf.errors.DeadlineExceededError) and "Collective has timed out" in text:
@@ -402,7 +407,9 @@ def _horovod_build() -> dict:
         import horovod
         import horovod.tensorflow as hvd
     except ImportError:
-        return {"installed": False, "install": "scripts/install_horovod.sh (make setup runs it)"}
+        from tfdist.horovod.collectives import install_command
+
+        return {"installed": False, "install": install_command()}
     return {"installed": True, "version": horovod.__version__, "mpi": bool(hvd.mpi_built()),
             "gloo": bool(hvd.gloo_built()), "nccl": bool(hvd.nccl_built())}
 

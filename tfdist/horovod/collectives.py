@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import numbers
+import os
+import sys
 from types import ModuleType
 from typing import Any, Callable, Iterable, Sequence
 
@@ -30,13 +32,22 @@ from tfdist.errors import ConfigError
 from tfdist.horovod.ordering import in_step_order
 
 
+def install_command() -> str:
+    """The command that builds Horovod into this Python's environment: the script ships in
+    the package, so it exists in a checkout and in an installed wheel alike."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "install_horovod.sh")
+    return f"HOROVOD_PYTHON={sys.executable} bash {script}"
+
+
 def import_horovod() -> ModuleType:
     """Returns `horovod.tensorflow`, or raises ConfigError saying how to install it."""
     try:
         import horovod.tensorflow as hvd
     except ImportError as error:
-        raise ConfigError("Horovod built for this TensorFlow cannot be imported here; run "
-                          "`make setup` (or scripts/install_horovod.sh) in this environment. "
+        raise ConfigError(f"Horovod built for this TensorFlow cannot be imported here; build "
+                          f"it into this environment with `{install_command()}` (needs Open "
+                          f"MPI: apt-get install openmpi-bin libopenmpi-dev; in a checkout, "
+                          f"`make setup` runs it). "
                           f"Received: {type(error).__name__}: {error}") from None
     return hvd
 

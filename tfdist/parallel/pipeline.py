@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfdist import patches
 from tfdist.errors import ConfigError
@@ -149,6 +150,12 @@ class Pipeline(keras.Model):
     def build(self, input_shape: Any) -> None:
         if self.balance is None:
             counts = self._parameter_counts(input_shape)
+            if len(self.stack) < len(self.devices):
+                logging.warning("tfdist: Pipeline has %d layers for %d devices: %d devices stay "
+                                "idle (a stage holds at least one layer); set "
+                                "model_parallel.devices to %d", len(self.stack),
+                                len(self.devices), len(self.devices) - len(self.stack),
+                                len(self.stack))
             self.balance = balanced_cut(counts, min(len(self.devices), len(self.stack)))
         spec = keras.KerasTensor(tuple(input_shape), dtype=self._input_dtype())
         for device, stage in zip(self.devices, self.stages):

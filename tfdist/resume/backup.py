@@ -49,7 +49,8 @@ from tfdist.resume.checkpointing import (FORMAT_VERSION, CheckpointStore, Traini
                                          checkpoint_number, read_partially)
 from tfdist.resume import sharded_state
 from tfdist.resume.preemption import RESTART_EXIT_CODE, PreemptionWatch, StopAgreement
-from tfdist.resume.run_identity import differences, identity, read_identity, record_identity
+from tfdist.resume.run_identity import (
+    RUN_FILE, UnreadableIdentity, differences, identity, read_identity, record_identity)
 from tfdist.resume.shuffling import EpochShuffle, PipelineReplay
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._sharded: Any = None  # The optimizer, when it shards its state (tfdist.sharding).
         self._train_function: Any = None  # Keras's, while the skipping one stands in.
         self._saved_variables: list[Any] = []
+        self._identity_notes: list[str] = []  # What reading run.json found wrong.
 
     # --- Keras hooks ----------------------------------------------------------------------
 
@@ -240,7 +242,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._adapter.after_restore(metrics)
 
         self._put_back_metrics = put_back
-        self._resume(f"resuming from {path}")
+        notes = self._identity_notes + self._store.notes
+        self._resume(f"resuming from {path}" + (f" ({'; '.join(notes)})" if notes else ""))
 
     def _restore_shards(self, number: int) -> None:
         """Each rank's partition of the optimizer state, from every rank's shard files."""
@@ -259,8 +262,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Refuses to resume a folder another run made; records this run's identity."""
         directory = self.directory
         current = identity(self.model, self.params, self._settings)
-        recorded = read_identity(directory)
-        changes = differences(recorded, current) if self._store.candidates() else []
+        has_checkpoints = bool(self._store.candidates())
+        self._identity_notes = []
+        try:
+            recorded = read_identity(directory)
+        except UnreadableIdentity as error:
+            recorded = None
+            self._identity_notes.append(f"{RUN_FILE} cannot be read ({str(error)[:120]}): the "
+                                        f"run's settings were not compared, and are recorded "
+                                        f"anew")
+        else:
+            if recorded is None and has_checkpoints:
+                self._identity_notes.append(f"{RUN_FILE} is missing: the run's settings were "
+                                            f"not compared, and are recorded anew")
+        changes = differences(recorded, current) if has_checkpoints else []
         if changes and not self._resume_changed:
             raise ConfigError(f"checkpoint folder {directory} holds another run: "
                               f"{'; '.join(changes)}. Start fresh with another checkpoint "

@@ -5,7 +5,10 @@
 the `checkpoint` state file that names them is replaced atomically afterwards,
 so a process killed while saving leaves the previous checkpoints as they were.
 Reading, the newest checkpoint that restores wins; a truncated or corrupt one is
-passed over with a warning, and the one before it is used.
+passed over, and the one before it is used. The checkpoints are found by their own
+files (`ckpt-<n>.index`) as well as by the `checkpoint` state file that lists them, so
+a state file deleted or damaged loses no progress; `notes` says, for the run's one
+resume line, what was passed over and why.
 
 Processes that must take part in a save (reading a variable replicated across
 workers is a collective) but should not leave files write to a private
@@ -29,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Mapping
@@ -47,6 +51,10 @@ FORMAT_VERSION = 1
 # errors (a bad index file is a bare OpError, "not an sstable"), and, for a truncated
 # data file, IndexError ("Read less bytes than requested") from TensorFlow's reader.
 _UNREADABLE = (tf.errors.OpError, IndexError)
+
+CHECKPOINT_NAME = "ckpt"
+STATE_FILE = "checkpoint"  # TensorFlow's list of a folder's checkpoints
+_INDEX = re.compile(rf"{CHECKPOINT_NAME}-(\d+)\.index$")
 
 
 class TrainingPosition(tf.Module):
@@ -117,6 +125,11 @@ class CheckpointStore:
             processes write to a private temporary folder, emptied after each save.
         keep: Checkpoints kept in `directory`; older ones are deleted.
 
+    Attributes:
+        notes: What reading the folder found wrong, one short phrase each (a state
+            file missing or unreadable, a checkpoint passed over and why); empty when
+            all was well.
+
     Raises:
         ConfigError: `directory` is not a folder this process can write in.
     """
@@ -126,14 +139,16 @@ class CheckpointStore:
         self.directory = os.fspath(directory)
         self.checkpoint = tf.train.Checkpoint(**objects)
         self._is_writer = is_writer
+        self.notes: list[str] = []
         if is_writer:
             writable_folder(self.directory, "checkpoint_dir")
+            self._set_aside_unreadable_state()
             write_directory, max_to_keep = self.directory, keep
         else:
             write_directory, max_to_keep = tempfile.mkdtemp(prefix="tfdist-not-chief-"), 1
         self._manager = tf.train.CheckpointManager(self.checkpoint, write_directory,
                                                    max_to_keep=max_to_keep,
-                                                   checkpoint_name="ckpt")
+                                                   checkpoint_name=CHECKPOINT_NAME)
 
     def save(self, number: int) -> str:
         """Writes a checkpoint numbered `number` (the global step); returns its path."""
@@ -144,42 +159,98 @@ class CheckpointStore:
                                                          os.path.basename(path))
 
     def candidates(self) -> list[str]:
-        """The checkpoints in `directory`, newest first."""
-        state = tf.train.get_checkpoint_state(self.directory)
-        if state is None:
-            return []
-        # TensorFlow has joined relative paths to the folder already.
-        paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
-        return list(reversed(paths))
+        """The checkpoints in `directory`, newest first.
+
+        Those the state file lists and those whose index file is in the folder: a
+        checkpoint is kept when either names it, so a lost state file loses nothing.
+        """
+        numbers = {checkpoint_number(path) for path in self._listed()}
+        for name in tf.io.gfile.listdir(self.directory) if tf.io.gfile.isdir(
+                self.directory) else []:
+            match = _INDEX.match(name)
+            if match:
+                numbers.add(int(match.group(1)))
+        return [os.path.join(self.directory, f"{CHECKPOINT_NAME}-{number}")
+                for number in sorted(numbers, reverse=True)]
 
     def restore_newest(self) -> str | None:
         """Restores the newest checkpoint that reads whole; returns its path, or None.
+
+        Each checkpoint passed over, and a state file missing or unreadable while
+        checkpoints are there, is added to `notes`.
 
         Raises:
             ConfigError: a checkpoint was read but does not fit the objects (another
                 model), or every checkpoint in the folder is unreadable.
         """
         candidates = self.candidates()
+        if candidates:
+            state = self._state_problem()
+            if state:
+                self.notes.append(f"the state file {STATE_FILE} {state}: the checkpoints "
+                                  f"were found by their own files")
+        passed_over = []
         for path in candidates:
             try:
                 status = self.checkpoint.restore(path)
                 status.assert_existing_objects_matched()
             except _UNREADABLE as error:
-                logging.warning("tfdist: checkpoint %s cannot be read (%s: %s); trying the "
-                                "one before it", path, type(error).__name__,
-                                str(error).splitlines()[0][:200])
+                reason = f"{type(error).__name__}: {_first_line(error)}"
+                logging.warning("tfdist: checkpoint %s cannot be read (%s); trying the one "
+                                "before it", path, reason)
+                passed_over.append(f"{os.path.basename(path)} ({reason})")
                 continue
             except (AssertionError, ValueError) as error:
                 raise ConfigError(f"checkpoint {path} does not fit this model and optimizer "
-                                  f"({str(error).splitlines()[0][:200]}); resume with the "
+                                  f"({_first_line(error)}); resume with the "
                                   f"same model, or start in an empty checkpoint_dir. "
                                   f"Received: checkpoint_dir={self.directory!r}") from None
+            if passed_over:
+                self.notes.append(f"passed over, unreadable: {', '.join(passed_over)}")
             return path
         if candidates:
             raise ConfigError(f"none of the {len(candidates)} checkpoints in {self.directory} "
-                              f"can be read; move them away to start over. "
-                              f"Received: checkpoint_dir={self.directory!r}")
+                              f"can be read (newest: {passed_over[0]}); move them away to "
+                              f"start over. Received: checkpoint_dir={self.directory!r}")
         return None
+
+    def _listed(self) -> list[str]:
+        """The checkpoints the state file lists; none when it is missing or unreadable."""
+        # TensorFlow logs two warnings for a state file that does not parse; `notes`
+        # says it once, in the resume line.
+        logger = tf.get_logger()
+        level = logger.level
+        logger.setLevel("ERROR")
+        try:
+            state = tf.train.get_checkpoint_state(self.directory)
+        except ValueError:  # a state file without a newest checkpoint (an empty file)
+            return []
+        finally:
+            logger.setLevel(level)
+        if state is None:
+            return []
+        # TensorFlow has joined relative paths to the folder already.
+        return list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+
+    def _state_problem(self) -> str:
+        """"" when the state file reads; else what is wrong with it, in a few words."""
+        path = os.path.join(self.directory, STATE_FILE)
+        if not tf.io.gfile.exists(path):
+            set_aside = f"{path}.unreadable"
+            return ("was unreadable (set aside as " + os.path.basename(set_aside) + ")"
+                    if tf.io.gfile.exists(set_aside) else "is missing")
+        return "" if self._listed() else "is unreadable"
+
+    def _set_aside_unreadable_state(self) -> None:
+        """Renames a state file that does not parse to `checkpoint.unreadable`.
+
+        TensorFlow's CheckpointManager raises ValueError on an empty state file and
+        logs a parse error for a damaged one; moved aside, the manager starts a new
+        list, and the checkpoints themselves are found by their files.
+        """
+        path = os.path.join(self.directory, STATE_FILE)
+        if tf.io.gfile.exists(path) and not self._listed():
+            tf.io.gfile.rename(path, f"{path}.unreadable", overwrite=True)
 
     def close(self) -> None:
         """Removes this process's temporary folder, if it has one."""
@@ -195,6 +266,10 @@ def read_partially(path: str, objects: Mapping[str, Any]) -> None:
         read_partially(path, {"metrics": metric_variables})
     """
     tf.train.Checkpoint(**objects).read(path).expect_partial()
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0][:200]
 
 
 def checkpoint_number(path: str | None) -> int:

@@ -80,13 +80,27 @@ def differences(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) 
     return found
 
 
+class UnreadableIdentity(ValueError):
+    """`run.json` is there but is not what `record_identity` writes (truncated, damaged)."""
+
+
 def read_identity(directory: str) -> dict[str, Any] | None:
-    """The identity recorded in `directory`, or None if none was."""
+    """The identity recorded in `directory`, or None if none was.
+
+    Raises:
+        UnreadableIdentity: the file is there but does not read as a recorded identity;
+            its message says why in a few words.
+    """
     try:
         with open(os.path.join(directory, RUN_FILE), encoding="utf-8") as stream:
-            return json.load(stream)
+            recorded = json.load(stream)
     except FileNotFoundError:
         return None
+    except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError
+        raise UnreadableIdentity(f"{type(error).__name__}: {error}") from None
+    if not isinstance(recorded, dict):
+        raise UnreadableIdentity(f"holds a {type(recorded).__name__}, not a run's settings")
+    return recorded
 
 
 def record_identity(directory: str, described: Mapping[str, Any]) -> None:
