@@ -20,10 +20,11 @@ pytestmark = pytest.mark.slow
 STEPS = 4  # per epoch: 32 examples, batches of 8; checkpoints ckpt-4 and ckpt-8 after 2 epochs
 
 
-def train(folder, epochs):
+def train(folder, epochs, **overrides):
     """The reference model trained with checkpoints in `folder`; (epochs trained, weights)."""
     keras.backend.clear_session(free_memory=False)
-    runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device", "seed": 3}))
+    runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device", "seed": 3,
+                                                         **overrides}))
     features, labels = examples(STEPS * 8)
     data = runner.dataset(tf.data.Dataset.from_tensor_slices((features, labels)), 8)
     with runner.scope():
@@ -89,6 +90,31 @@ def test_one_damaged_file_resumes_from_the_newest_readable_checkpoint(
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(weights, uninterrupted)) < 1e-6
     # The readable older checkpoint is as it was.
     assert {path.name: path.read_bytes() for path in tmp_path.glob("ckpt-4.*")} == kept
+
+
+ZERO = {"strategy": "horovod", "zero_stage": 1}  # a rank's optimizer state in shards/
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_zero(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("uninterrupted_zero"), 3, **ZERO)[1]
+
+
+@pytest.mark.requires_horovod
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_shard_of_sharded_optimizer_state_passes_its_checkpoint_over(
+        damage, uninterrupted_zero, tmp_path, capsys):
+    train(tmp_path, 2, **ZERO)
+    DAMAGES[damage](tmp_path / "shards" / "ckpt-8.rank0-of-1.npz")
+    capsys.readouterr()
+    epochs, weights = train(tmp_path, 3, **ZERO)
+    said = [line for line in capsys.readouterr().err.splitlines()
+            if line.startswith("tfdist: resuming")]
+    assert len(said) == 1 and re.fullmatch(
+        r"tfdist: resuming from \S+ckpt-4 \(passed over, unreadable: ckpt-8 \(UnreadableShards: "
+        r".+\)\): the end of epoch 1 \(step 4 in all\)", said[0]), said
+    assert epochs == [1, 2]
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(weights, uninterrupted_zero)) < 1e-6
 
 
 def test_every_checkpoint_unreadable_stops_with_one_line(tmp_path):

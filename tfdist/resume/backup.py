@@ -214,7 +214,10 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _resume_from_checkpoint(self) -> None:
         store, adapter = self._store, self._adapter
-        path = store.restore_newest()
+        # Each rank's sharded optimizer state is part of its checkpoint: shard files that do
+        # not read pass the checkpoint over, as a torn index or data file does.
+        path = store.restore_newest(
+            also_restore=lambda found: self._restore_shards(checkpoint_number(found)))
         adapter.barrier("tfdist_restored")
         # Every process must resume from the same checkpoint, or their weights differ.
         number = checkpoint_number(path)
@@ -228,7 +231,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         if path is None:
             logging.info("tfdist: no checkpoint in %s; training from the start", self.directory)
             return
-        self._restore_shards(number)
         self._position.reload()
         if self._position.format_version > FORMAT_VERSION:
             raise ConfigError(f"checkpoint {path} was written by a newer tfdist (format "

@@ -35,7 +35,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import tensorflow as tf
 from absl import logging
@@ -51,6 +51,12 @@ FORMAT_VERSION = 1
 # errors (a bad index file is a bare OpError, "not an sstable"), and, for a truncated
 # data file, IndexError ("Read less bytes than requested") from TensorFlow's reader.
 _UNREADABLE = (tf.errors.OpError, IndexError)
+
+
+class UnreadableCheckpoint(Exception):
+    """Raised by `restore_newest`'s `also_restore` for files of a checkpoint that do not
+    read (a rank's sharded state): the checkpoint is passed over like a torn one."""
+
 
 CHECKPOINT_NAME = "ckpt"
 STATE_FILE = "checkpoint"  # TensorFlow's list of a folder's checkpoints
@@ -173,11 +179,16 @@ class CheckpointStore:
         return [os.path.join(self.directory, f"{CHECKPOINT_NAME}-{number}")
                 for number in sorted(numbers, reverse=True)]
 
-    def restore_newest(self) -> str | None:
+    def restore_newest(self, also_restore: Callable[[str], None] | None = None) -> str | None:
         """Restores the newest checkpoint that reads whole; returns its path, or None.
 
         Each checkpoint passed over, and a state file missing or unreadable while
         checkpoints are there, is added to `notes`.
+
+        Args:
+            also_restore: Called with a checkpoint's path once its objects are restored,
+                to restore what lies beside it; `UnreadableCheckpoint` from it passes the
+                checkpoint over.
 
         Raises:
             ConfigError: a checkpoint was read but does not fit the objects (another
@@ -205,6 +216,13 @@ class CheckpointStore:
                                   f"({_first_line(error)}); resume with the "
                                   f"same model, or start in an empty checkpoint_dir. "
                                   f"Received: checkpoint_dir={self.directory!r}") from None
+            try:
+                if also_restore is not None:
+                    also_restore(path)
+            except UnreadableCheckpoint as error:
+                passed_over.append(f"{os.path.basename(path)} ({type(error).__name__}: "
+                                   f"{_first_line(error)})")
+                continue
             if passed_over:
                 self.notes.append(f"passed over, unreadable: {', '.join(passed_over)}")
             return path

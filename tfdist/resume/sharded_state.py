@@ -24,17 +24,29 @@ import io
 import json
 import os
 import re
+import zipfile
+import zlib
 from typing import Iterable
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
+from tfdist.resume.checkpointing import UnreadableCheckpoint
 
 FOLDER = "shards"
 _NAME = re.compile(r"ckpt-(\d+)\.rank(\d+)-of-(\d+)\.npz$")
 
 State = Iterable[tuple[int, str, int, int, np.ndarray]]
+
+# What a truncated or damaged .npz raises as it is opened or a member read: zipfile's
+# BadZipFile, zlib's error, EOFError, OSError, ValueError (its JSON index, NumPy's header),
+# KeyError (a member missing from a torn archive).
+_DAMAGED = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, KeyError)
+
+
+class UnreadableShards(ConfigError, UnreadableCheckpoint):
+    """A checkpoint's shard files are missing for some ranks, truncated or damaged."""
 
 
 def shard_path(directory: str, number: int, rank: int, ranks: int) -> str:
@@ -101,26 +113,31 @@ class ShardReader:
         found = {int(m.group(2)): (int(m.group(3)), os.path.join(folder, name))
                  for name in names if (m := _NAME.match(name)) and int(m.group(1)) == number}
         ranks = {count for count, _ in found.values()}
+        if not found and numbers(directory):
+            raise UnreadableShards(f"checkpoint {number} has no shard files, though other "
+                                   f"checkpoints in the folder have theirs")
         if not found:
             raise ConfigError(f"checkpoint {number} in {directory} has no sharded optimizer "
                               f"state (it was saved with zero_stage 0); resume it with zero_stage "
                               f"0, or start in an empty checkpoint_dir. "
                               f"Received: checkpoint_dir={directory!r}")
         if len(ranks) != 1 or sorted(found) != list(range(next(iter(ranks)))):
-            raise ConfigError(f"checkpoint {number} in {directory} lacks the shard files of some "
-                              f"ranks (found ranks {sorted(found)}); resume from an older "
-                              f"checkpoint by moving this one away. "
-                              f"Received: checkpoint_dir={directory!r}")
+            raise UnreadableShards(f"checkpoint {number} lacks the shard files of some ranks "
+                                   f"(found ranks {sorted(found)})")
         self._pieces: dict[tuple[int, str], list[tuple[int, int, str, str]]] = {}
         self._files = {}
         self._handles = []
         for rank, (_, path) in sorted(found.items()):
             # Members are read when asked for: a rank reads only the ranges it updates.
             self._handles.append(tf.io.gfile.GFile(path, "rb"))
-            archive = np.load(self._handles[-1])
-            self._files[path] = archive
-            for position, (variable, slot, start, stop) in enumerate(
-                    json.loads(str(archive["index"]))):
+            try:
+                archive = np.load(self._handles[-1])
+                self._files[path] = archive
+                index = json.loads(str(archive["index"]))
+            except _DAMAGED as error:
+                self.close()
+                raise _unreadable(path, error) from None
+            for position, (variable, slot, start, stop) in enumerate(index):
                 self._pieces.setdefault((variable, slot), []).append(
                     (start, stop, path, f"a{position}"))
 
@@ -134,7 +151,10 @@ class ShardReader:
         for low, high, path, key in self._pieces.get((variable, slot), []):
             lo, hi = max(low, start), min(high, stop)
             if lo < hi:
-                values = self._files[path][key]
+                try:
+                    values = self._files[path][key]
+                except _DAMAGED as error:
+                    raise _unreadable(path, error) from None
                 if out is None:
                     out = np.zeros([stop - start], values.dtype)
                 out[lo - start:hi - start] = values[lo - low:hi - low]
@@ -159,3 +179,8 @@ class ShardReader:
             archive.close()
         for handle in self._handles:
             handle.close()
+
+
+def _unreadable(path: str, error: BaseException) -> UnreadableShards:
+    return UnreadableShards(f"{os.path.basename(path)} cannot be read ({type(error).__name__}: "
+                            f"{(str(error).splitlines() or [''])[0][:120]})")
