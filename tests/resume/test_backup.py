@@ -241,8 +241,12 @@ def test_the_multi_worker_tutorials_keras_backup_and_restore_survives_a_kill(tmp
     # restarts and trains to the end. Keras resumes at the start of the interrupted epoch
     # (its backup at step 90 says epoch 1), so its 20 steps before the backup run twice.
     before = scratch_folders()
+    # Two starts of a 2-worker cluster and 230 steps: 44-75 s alone, over 150 s under the
+    # suite's load (3 test workers on 2 cores). The bound is there to end a hang, not to time
+    # the run.
     result = launch(tmp_path, sys.executable, TUTORIAL, str(tmp_path / "out"),
-                    str(tmp_path / "backup"), "--kill", "worker:1@1:40", restarts=1)
+                    str(tmp_path / "backup"), "--kill", "worker:1@1:40", restarts=1,
+                    timeout=420)
     assert (tmp_path / "out" / "killed").exists()
     for task in ("worker-0", "worker-1"):
         report = json.loads((tmp_path / "out" / f"{task}-0.json").read_text())

@@ -403,13 +403,14 @@ def _model_parallel() -> dict:
 
 def _horovod_build() -> dict:
     """Horovod's version and what it was built with, or how to get it."""
-    try:
-        import horovod
-        import horovod.tensorflow as hvd
-    except ImportError:
-        from tfdist.horovod.collectives import install_command
+    from tfdist.adapters.horovod import import_horovod
 
-        return {"installed": False, "install": install_command()}
+    try:
+        hvd = import_horovod()
+    except ConfigError as error:  # It says how to build Horovod here.
+        return {"installed": False, "install": str(error)}
+    import horovod
+
     return {"installed": True, "version": horovod.__version__, "mpi": bool(hvd.mpi_built()),
             "gloo": bool(hvd.gloo_built()), "nccl": bool(hvd.nccl_built())}
 
