@@ -203,11 +203,12 @@ def test_a_second_crash_right_after_the_resume_resumes_after_the_newer_checkpoin
 @pytest.mark.multiprocess
 def test_a_kill_inside_a_save_and_a_torn_newest_checkpoint_fall_back(reference, tmp_path):
     # Killed inside the save of step 20 (epoch 2, step 8): its files are written, but the
-    # folder's state does not name them yet. The restart resumes from step 16.
+    # folder's state file does not name them yet. The restart finds the checkpoint by its
+    # own files, whole, and resumes from step 20.
     run_alone(tmp_path, "one_device", "--kill_in_save", "main@20", expect=-9)
     resumed = run_alone(tmp_path, "one_device", "--kill_in_save", "main@20")
-    assert f"resuming from {tmp_path / 'ckpt' / 'ckpt-16'}" in resumed.stderr
-    assert first_steps(tmp_path, "main") == [(0, 1), (1, 5)]
+    assert f"resuming from {tmp_path / 'ckpt' / 'ckpt-20'}" in resumed.stderr
+    assert first_steps(tmp_path, "main") == [(0, 1), (1, 9)]
     assert_same_training(tmp_path, reference("one_device"), ["main"], IN_PROCESS)
     # Then the newest checkpoint is torn: the next start passes over it, with a warning.
     newest = tmp_path / "ckpt" / "ckpt-36.data-00000-of-00001"
