@@ -142,3 +142,14 @@ def test_steal_fraction_between_two_readings(tmp_path):
     steal, _ = cpu_steal_fraction(since=counters, stat_path=str(stat))
     assert steal == pytest.approx(50 / 300)
     assert cpu_steal_fraction(stat_path=str(tmp_path / "absent")) == (0.0, (0, 0))
+
+
+def test_ephemeral_port_range_is_read_from_linux_or_falls_back_to_iana(tmp_path):
+    from tfdist.cluster import ephemeral_port_range
+
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("40000\t50000\n")
+    assert ephemeral_port_range(str(ranges)) == (40000, 50000)
+    assert ephemeral_port_range(str(tmp_path / "absent")) == (49152, 65535)
+    ranges.write_text("garbage\n")
+    assert ephemeral_port_range(str(ranges)) == (49152, 65535)

@@ -284,3 +284,21 @@ def test_a_log_level_the_user_set_is_left_alone(tmp_path):
                           + TENSORFLOW_LINES], cwd=tmp_path, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
     assert "[worker:0] level 0" in result.stdout
     assert "port.cc:153] oneDNN" in result.stdout
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
+    # A port from bind(0) lies in the ephemeral range, where any process's outgoing
+    # connection (a gRPC channel of a cluster beside this one) can take it before the
+    # task binds it: a parameter server then failed with "Could not start gRPC server".
+    import socket
+
+    from tfdist.app.launch import free_ports
+    from tfdist.cluster import ephemeral_port_range
+
+    low, _ = ephemeral_port_range()
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(20000 <= port < low for port in ports), (ports, low)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

@@ -329,6 +329,31 @@ def _cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+EPHEMERAL_PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_port_range(path: str = EPHEMERAL_PORT_RANGE_FILE) -> tuple[int, int]:
+    """The ports the kernel hands out as the local end of outgoing connections.
+
+    A server port picked inside this range can be taken, before the server binds
+    it, by any process's outgoing connection (every gRPC channel makes some);
+    `tfdist.app.launch.free_ports` picks below it. Linux's file, else the IANA
+    range that other systems use.
+
+    Args:
+        path: The file Linux keeps the range in ("32768\t60999").
+
+    Example:
+        low, high = ephemeral_port_range()   # (32768, 60999) on a default Linux
+    """
+    try:
+        with open(path, encoding="ascii") as stream:
+            low, high = (int(field) for field in stream.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def _cpu_has_bf16(cpuinfo_path: str) -> bool:
     try:
         with open(cpuinfo_path, encoding="utf-8") as stream:

@@ -42,6 +42,7 @@ import errno
 import json
 import os
 import pty
+import random
 import shutil
 import signal
 import socket
@@ -54,7 +55,7 @@ from typing import IO, Sequence
 
 from tfdist.app.console import Console
 from tfdist.app.interruption import Interruption, interruption_handled
-from tfdist.cluster import child_environment
+from tfdist.cluster import child_environment, ephemeral_port_range
 from tfdist.errors import ConfigError
 from tfdist.quiet import is_tensorflow_log_line
 from tfdist.resume.preemption import RESTART_EXIT_CODE
@@ -97,7 +98,7 @@ def cluster_spec(num_workers: int, num_ps: int = 0, host: str = LOOPBACK) -> dic
     """A cluster on free ports of `host`: N workers, or a chief, N workers and M ps.
 
     A port is free when it is picked; another program could take it before the
-    task binds it, a race that a single-host tool accepts.
+    task binds it. `free_ports` picks where that is unlikely.
     """
     def addresses(count: int) -> list[str]:
         return [f"{host}:{port}" for port in free_ports(count, host)]
@@ -107,15 +108,47 @@ def cluster_spec(num_workers: int, num_ps: int = 0, host: str = LOOPBACK) -> dic
     return {"worker": addresses(num_workers)}
 
 
+# Below the kernel's ephemeral range, above the ports services usually own.
+_LOWEST_PORT = 20000
+
+
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """`count` distinct ports that nothing listens on now."""
+    """`count` distinct ports that nothing listens on now, drawn at random below
+    the kernel's ephemeral range.
+
+    The kernel's own choice (`bind(0)`) comes from the ephemeral range, the one
+    it also gives every outgoing connection its local port from: between the
+    pick and the task's bind, any gRPC channel on the machine can take the port
+    (a parameter server then fails with "Could not start gRPC server", and the
+    chief reaches another cluster's task there). Outgoing connections never
+    take a port below the range; a random draw keeps two launchers apart.
+
+    Args:
+        count: How many ports.
+        host: The address they must be free on.
+
+    Example:
+        chief, worker = free_ports(2)   # e.g. [24811, 31207]
+    """
+    low, _ = ephemeral_port_range()
+    draw = random.SystemRandom()
     with contextlib.ExitStack() as stack:
-        sockets = []
-        for _ in range(count):
+        ports: list[int] = []
+        for _ in range(count * 50):
+            if len(ports) == count:
+                break
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
+            port = draw.randrange(_LOWEST_PORT, low) if low > _LOWEST_PORT + 1000 else 0
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            ports.append(sock.getsockname()[1])
+        if len(ports) < count:
+            raise ConfigError(f"tfdist launch found {len(ports)} of {count} free ports on "
+                              f"{host} between {_LOWEST_PORT} and {low}; free some, or run "
+                              f"fewer tasks. Received: {count} tasks")
+        return ports
 
 
 def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restarts: int = 0, *,
