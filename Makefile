@@ -14,7 +14,7 @@ KERAS ?=
 PYTEST_ARGS ?=
 COMPAT := .compat/keras-$(KERAS)
 
-.PHONY: setup demo lint test test-fast test-compat bench bench-gpu clean
+.PHONY: setup demo lint docs test test-fast test-compat bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -27,13 +27,19 @@ demo: setup
 
 # Style (flake8, configured in setup.cfg) over everything Python in the repository.
 lint: setup
-	$(BIN)/python -m flake8 tfdist tests benchmarks examples scripts
+	$(BIN)/python -m flake8 tfdist tests benchmarks examples scripts docs
 
-# Everything, as CI runs it: lint first; a missing mpirun or Horovod fails rather than skips.
+# The docs site (mkdocs.yml), into site/. --strict: a broken link or anchor, a page missing
+# from the nav, or a docstring the API reference cannot read fails the build.
+# NO_MKDOCS_2_WARNING: Material's notice about MkDocs 2, printed on every build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+# Everything, as CI runs it: lint and the docs site first; a missing mpirun or Horovod fails rather than skips.
 # TEST_WORKERS tests at a time (pytest-xdist; a module whose tests share runs stays on one
 # worker), then the few that assert how long something took, alone.
 TEST_WORKERS ?= 3
-test: setup lint
+test: setup lint docs
 	$(BIN)/python -m pytest --require-all -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
 	$(BIN)/python -m pytest --require-all -m serial
 
@@ -56,4 +62,4 @@ bench-gpu: setup
 	$(BIN)/python benchmarks/report.py --only gpu
 
 clean:
-	rm -rf $(VENV) .compat tfdist_output benchmarks/results/*.log .pytest_cache
+	rm -rf $(VENV) .compat tfdist_output benchmarks/results/*.log .pytest_cache site

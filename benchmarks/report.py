@@ -1,4 +1,4 @@
-"""`make bench`: runs every benchmark, then writes RESULTS.md, its plots and the README's table.
+"""`make bench`: runs every benchmark, then writes RESULTS.md, its plots and the docs' table.
 
 Each benchmark runs as its own process (its default settings, at most 5 minutes);
 its output goes to benchmarks/results/NAME.log and its last line, one JSON object,
@@ -10,7 +10,8 @@ such: nothing is left out. Then, from those JSON files alone:
   spread, target and whether it is met;
 - benchmarks/plots/*.png: all-reduce bandwidth, the sync-cost model against the
   measurements, accumulation, mixed precision, the scaling projection;
-- README.md: the headline table and one plot, between its `results` markers.
+- docs/evidence/benchmarks.md: the headline table and one plot, between its `results`
+  markers (the docs site serves RESULTS.md and the plots beside it: docs/hooks.py).
 
     .venv/bin/python benchmarks/report.py              # run all, then write
     .venv/bin/python benchmarks/report.py --only overhead --only sync_cost
@@ -39,7 +40,7 @@ sys.path.insert(0, REPO)
 
 RESULTS_DIR = os.path.join(HERE, "results")
 PLOTS_DIR = os.path.join(HERE, "plots")
-README = os.path.join(REPO, "README.md")
+BENCHMARKS_PAGE = os.path.join(REPO, "docs", "evidence", "benchmarks.md")
 TIMEOUT_SECONDS = 330  # each benchmark is meant to finish in under 5 minutes
 
 # In the order they run and appear. `projection` reads sync_cost's results.
@@ -47,7 +48,7 @@ BENCHMARKS = ("overhead", "precision", "allreduce", "sync_cost", "overlap", "cus
               "accumulation", "parameter_server", "checkpoint", "scaling", "projection", "zero",
               "pipeline", "gpu")
 
-# The README's table: the figures an engineer choosing a stack looks at first.
+# The docs' table: the figures an engineer choosing a stack looks at first.
 HEADLINES = {
     "overhead": ("ratio_one_device", "ratio_mirrored"),
     "precision": ("speedup_bf16",),
@@ -147,7 +148,7 @@ def machine() -> dict:
 def commit() -> str:
     """The commit the benchmarks run from, "+changes" when the code differs from it.
 
-    What `make bench` itself writes (results, plots, RESULTS.md, README.md's table) is
+    What `make bench` itself writes (results, plots, RESULTS.md, the docs' table) is
     not a change to the code measured.
     """
     head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
@@ -156,7 +157,7 @@ def commit() -> str:
         return "unknown"
     changed = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no",
                               "--", ".", ":!benchmarks/results", ":!benchmarks/plots",
-                              ":!benchmarks/RESULTS.md", ":!README.md"],
+                              ":!benchmarks/RESULTS.md", ":!docs/evidence/benchmarks.md"],
                              capture_output=True, text=True).stdout.strip()
     return head + ("+changes" if changed else "")
 
@@ -309,7 +310,7 @@ def extra_tables(name: str, result: dict) -> list[str]:
     return lines
 
 
-def render_readme_table(results: dict[str, dict]) -> str:
+def render_headline_table(results: dict[str, dict]) -> str:
     rows = ["| benchmark | figure | measured (min-max) | target | met |", "|---|---|---|---|---|"]
     for name, wanted in HEADLINES.items():
         for f in results.get(name, {}).get("figures", []):
@@ -320,41 +321,41 @@ def render_readme_table(results: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
-def update_readme(results: dict[str, dict], facts: dict, plots: dict[str, str]) -> None:
-    """Replaces the README's text between its results markers."""
+def update_benchmarks_page(results: dict[str, dict], facts: dict, plots: dict[str, str]) -> None:
+    """Replaces the benchmarks page's text between its results markers."""
     begin, end = "<!-- results:begin -->", "<!-- results:end -->"
-    with open(README) as stream:
+    with open(BENCHMARKS_PAGE) as stream:
         text = stream.read()
     if begin not in text or end not in text:
-        raise SystemExit(f"report: README.md has no {begin} ... {end} block to fill")
+        raise SystemExit(f"report: {BENCHMARKS_PAGE} has no {begin} ... {end} block to fill")
     plot = plots.get("projection") or plots.get("allreduce")
     block = "\n".join([
         begin,
         f"Measured by `make bench` on {facts['cpu']} ({facts['cores']} cores), TensorFlow "
         f"{facts['versions'].get('TensorFlow')}; every figure, its spread and the machine "
-        "are in [benchmarks/RESULTS.md](benchmarks/RESULTS.md).",
+        "are in [RESULTS.md](results.md).",
         "",
-        render_readme_table(results),
+        render_headline_table(results),
         "",
-        *([f"![{os.path.basename(plot)}](benchmarks/plots/{os.path.basename(plot)})", ""]
+        *([f"![{os.path.basename(plot)}](plots/{os.path.basename(plot)})", ""]
           if plot else []),
         end])
     text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    with open(README, "w") as stream:
+    with open(BENCHMARKS_PAGE, "w") as stream:
         stream.write(text)
 
 
 def write(results: dict[str, dict], output_dir: str = HERE, readme: bool = True) -> None:
-    """RESULTS.md and plots/ in `output_dir`; with `readme`, README.md's table too."""
+    """RESULTS.md and plots/ in `output_dir`; with `readme`, the docs' table too."""
     facts = machine()
     plots = plot_all(results, os.path.join(output_dir, "plots"))
     results_md = os.path.join(output_dir, "RESULTS.md")
     with open(results_md, "w") as stream:
         stream.write(render_results(results, facts, plots))
     if readme:
-        update_readme(results, facts, plots)
+        update_benchmarks_page(results, facts, plots)
     print(f"report: wrote {results_md}, {len(plots)} plots"
-          + (" and README.md's table" if readme else ""))
+          + (" and the docs' table" if readme else ""))
 
 
 def main() -> None:
@@ -366,7 +367,7 @@ def main() -> None:
     parser.add_argument("--results_dir", default=RESULTS_DIR,
                         help="where each benchmark's JSON and log go (and are read from)")
     parser.add_argument("--output_dir", default=HERE,
-                        help="where RESULTS.md and plots/ go; README.md is updated only "
+                        help="where RESULTS.md and plots/ go; the docs' table is updated only "
                              "with the default")
     args = parser.parse_args()
     if not args.render:

@@ -37,8 +37,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
 
-echo "setup: installing tfdist[$TF_BUILD,test] into $VENV"
-"$VENV/bin/python" -m pip install -q -e ".[$TF_BUILD,test]"
+echo "setup: installing tfdist[$TF_BUILD,test,docs] into $VENV"
+"$VENV/bin/python" -m pip install -q -e ".[$TF_BUILD,test,docs]"
 
 # keras-hub's BERT and GPT-2 are users' models the tests train (public code nobody here
 # wrote). Installed without its declared dependencies: it requires tensorflow-text, which

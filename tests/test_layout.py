@@ -141,3 +141,18 @@ def test_the_library_imports_absolutely():
                 for node in ast.walk(ast.parse(source))
                 if isinstance(node, ast.ImportFrom) and node.level]
     assert relative == []
+
+
+def test_import_tfdist_alone_reaches_parallel_and_sharding_and_loads_no_tensorflow():
+    # `import tfdist` stays light (the CLI sets TensorFlow's log level before TensorFlow
+    # loads); the subpackages load when first reached, as `tfdist.Runner` does.
+    import subprocess
+    import sys
+
+    code = ("import sys, tfdist\n"
+            "assert 'tensorflow' not in sys.modules\n"
+            "print(tfdist.parallel.Pipeline.__name__, tfdist.sharding.state_bytes.__name__)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["Pipeline", "state_bytes"]

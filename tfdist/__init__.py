@@ -25,6 +25,8 @@ __version__ = "0.1.0"
 # Imported on first use: they import TensorFlow, and `import tfdist` alone should not
 # (the `tfdist` command sets TensorFlow's log level before TensorFlow starts).
 _LAZY = {"Runner": "tfdist.runner", "PrecisionPolicy": "tfdist.precision"}
+# Subpackages a script reaches as `tfdist.parallel.Pipeline` after `import tfdist` alone.
+_SUBPACKAGES = ("parallel", "sharding")
 
 
 def __getattr__(name: str) -> Any:
@@ -32,6 +34,8 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"tfdist.{name}")  # Sets the attribute itself.
     raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
 
 

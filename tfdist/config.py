@@ -240,8 +240,12 @@ class Config:
             (each rank holds the optimizer state of its share of the variables) or 2
             (also only its slice of the averaged gradients); see `tfdist.sharding`.
         seed: Seeds Python, NumPy and TensorFlow when set, so runs repeat.
-        one_device, mirrored, multi_worker, tpu, horovod, parameter_server: Options of
-            those strategies.
+        one_device: The `one_device` strategy's options.
+        mirrored: The `mirrored` strategy's options.
+        multi_worker: The `multi_worker` strategy's options.
+        tpu: The `tpu` strategy's options.
+        horovod: The `horovod` strategy's options.
+        parameter_server: The `parameter_server` strategy's options.
         model_parallel: One model over several devices per process (`tfdist.parallel`).
         checkpoint: Checkpoints for an exact resume, and what a SIGTERM does.
         cluster: How the processes of a multi-process run find each other.

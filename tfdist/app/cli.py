@@ -274,7 +274,7 @@ def _env(as_json: bool = False) -> None:
         "zero_stage": _zero_stages(),
         "model_parallel": _model_parallel(),
         "bfloat16_probe": _bfloat16_probe(cluster),
-        "patches": _patches(),
+        "patches": patches_report(),
     }
     print(json.dumps(report, indent=2, default=str) if as_json else _env_summary(report, cluster))
 
@@ -343,10 +343,18 @@ def _bfloat16_probe(cluster: Any) -> dict:
             "cache": os.path.join(cluster.cache_dir, bfloat16_probe.CACHE_FILE)}
 
 
-def _patches() -> dict:
+def patches_report(check_bugs: bool = True) -> dict:
     """tfdist's fixes to Keras and TensorFlow: which are active in this process, and for
-    each, its upstream issue, whether the installed code still has the bug, and which
-    strategies apply it."""
+    each, what goes wrong without it, its upstream issue, whether the installed code still
+    has the bug, and which strategies apply it (`tfdist env --json`; the docs' patches page).
+
+    Args:
+        check_bugs: Read the installed code for each bug (imports Keras, TensorFlow and
+            Horovod). False: `bug_present` is None.
+
+    Example:
+        [patch["name"] for patch in patches_report()["all"] if patch["bug_present"]]
+    """
     from tfdist import patches, registry
 
     users: dict[str, list[str]] = {}
@@ -361,8 +369,8 @@ def _patches() -> dict:
     for patch in patches.MODEL_PARALLEL:
         users.setdefault(patch.name, []).append("tfdist.parallel")
     return {"active": patches.active(),
-            "all": [{"name": patch.name, "upstream": patch.upstream,
-                     "bug_present": _bug_present(patch),
+            "all": [{"name": patch.name, "summary": patch.summary, "upstream": patch.upstream,
+                     "bug_present": _bug_present(patch) if check_bugs else None,
                      "applied_by": users.get(patch.name, [])}
                     for patch in patches.registered()]}
 

@@ -65,11 +65,13 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
                          scale_local_gradients: bool = True) -> Any:
     """`optimizer` with its gradients reduced across ranks before every update.
 
+    The parameters not listed below are Horovod's, as
+    `tfdist.horovod.keras.DistributedOptimizer` takes them.
+
     Args:
         optimizer: A Keras 3 optimizer (`tfdist.horovod.keras.DistributedOptimizer` wraps
             it), or a `tf.compat.v1.train.Optimizer` (Horovod's own wraps it).
         use_locking: Horovod's, for a `tf.compat.v1` optimizer (Keras optimizers take none).
-        The others: as `tfdist.horovod.keras.DistributedOptimizer`.
 
     Returns:
         The distributed optimizer.

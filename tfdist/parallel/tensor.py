@@ -106,10 +106,11 @@ class ColumnParallelDense(_SplitDense):
 
     Args:
         units: Output width (divisible by the number of devices).
-        activation, use_bias, kernel_initializer, bias_initializer: As `keras.layers.Dense`.
         gather_output: Join the parts into one tensor (for a layer that is not a
             `RowParallelDense`); by default the K parts go on, each on its device.
-        devices: Device names. None: the Runner's (`model_parallel.devices`).
+        **kwargs: `activation`, `use_bias`, `kernel_initializer`, `bias_initializer` as
+            `keras.layers.Dense`'s; `devices`, the device names (None: the Runner's,
+            `model_parallel.devices`); a Keras layer's own (`name`, `dtype`).
 
     Example:
 
@@ -173,7 +174,10 @@ class RowParallelDense(_SplitDense):
 
     Args:
         units: Output width.
-        activation, use_bias, kernel_initializer, bias_initializer: As `keras.layers.Dense`.
+        activation: As `keras.layers.Dense`'s.
+        use_bias: As `keras.layers.Dense`'s.
+        kernel_initializer: As `keras.layers.Dense`'s.
+        bias_initializer: As `keras.layers.Dense`'s.
         devices: Device names. None: the Runner's (`model_parallel.devices`).
 
     Takes a `ColumnParallelDense`'s K parts, or one whole tensor (cut into K).
@@ -239,7 +243,8 @@ class ParallelMultiHeadAttention(_WholeWeights, keras.layers.Layer):
         key_dim: Size of each head for query and key.
         value_dim: Size of each head for value. None: `key_dim`.
         use_bias: Whether the projections have biases.
-        kernel_initializer, bias_initializer: As MultiHeadAttention's.
+        kernel_initializer: As MultiHeadAttention's.
+        bias_initializer: As MultiHeadAttention's.
         devices: Device names. None: the Runner's (`model_parallel.devices`).
 
     Call arguments: `query`, `value`, `key=None` (then `value`), `attention_mask=None`

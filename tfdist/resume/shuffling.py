@@ -106,7 +106,7 @@ class PipelineReplay:
     `advance(e)` creates the missing iterators, without reading from them.
 
     Under `parameter_server` each worker iterates its own copy of the pipeline, and
-    the order is not reproduced (see the README's "Failures and restarts").
+    the order is not reproduced (see docs/guide/restarts.md).
 
     Example:
 
