@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import keras
@@ -55,6 +56,31 @@ def pytest_report_header(config):
 def pytest_addoption(parser):
     parser.addoption("--require-all", action="store_true",
                      help="fail, rather than skip, tests whose mpirun or Horovod is missing")
+    parser.addoption("--cpu-report", metavar="FILE",
+                     help="append each test's CPU seconds (its own process and every process "
+                          "it started and waited for) and wall seconds to FILE, one JSON line "
+                          "per test; where the suite's time goes on a CPU-bound machine")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    report = item.config.getoption("--cpu-report")
+    if not report:
+        yield
+        return
+    import resource
+
+    def cpu() -> float:
+        return sum(usage.ru_utime + usage.ru_stime for usage in (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    cpu_before, wall_before = cpu(), time.monotonic()
+    yield
+    line = {"test": item.nodeid, "cpu_s": round(cpu() - cpu_before, 2),
+            "wall_s": round(time.monotonic() - wall_before, 2)}
+    with open(report, "a") as stream:  # One short write per line: workers do not interleave.
+        stream.write(json.dumps(line) + "\n")
 
 
 def _missing() -> dict[str, str]:

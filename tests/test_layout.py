@@ -1,4 +1,4 @@
-"""The map, checked: the import rules the README's Layout states, read from the code itself.
+"""The map, checked: the rules docs/develop/layout.md states, read from the code itself.
 
 Each rule is read from the imports (ast) of every module under tfdist/, wherever they sit
 (a function's body counts too), and from every read of the environment. Each rule's test
@@ -106,9 +106,41 @@ def horovod_code_outside_its_wing(library: dict[str, str]) -> list[str]:
             for name in imported(source) if name.startswith("tfdist.horovod")]
 
 
+def model_parallel_patches_applied_outside_placement(library: dict[str, str]) -> list[str]:
+    # tfdist.parallel's patches are applied where every parallel layer gets its devices
+    # (placement.resolve_devices), and nowhere else.
+    return [module for module, source in library.items()
+            if module != "tfdist.parallel.placement" and "MODEL_PARALLEL)" in source
+            and "patches.apply(" in source]
+
+
+def model_devices_set_outside_the_base(library: dict[str, str]) -> list[str]:
+    # The adapter base computes the model's devices once; no adapter sets them as a side
+    # effect of building its strategy.
+    found = []
+    for module, source in library.items():
+        if module == "tfdist.adapters.base":
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(target, ast.Attribute) and target.attr == "model_devices"
+                    and isinstance(target.value, ast.Name) and target.value.id == "self"
+                    for target in node.targets) and module.startswith("tfdist.adapters"):
+                found.append(module)
+    return found
+
+
+def micro_batch_check_outside_dataset_checks(library: dict[str, str]) -> list[str]:
+    # What runner.dataset refuses is said in tfdist/dataset_checks.py.
+    return [module for module, source in library.items()
+            if module != "tfdist.dataset_checks"
+            and "must divide each replica's batch" in source]
+
+
 RULES = [adapters_import_each_other, patches_import_above_them,
          environment_read_outside_cluster, library_imports_the_app,
-         horovod_code_outside_its_wing]
+         horovod_code_outside_its_wing, model_parallel_patches_applied_outside_placement,
+         model_devices_set_outside_the_base, micro_batch_check_outside_dataset_checks]
 
 # One deliberate violation of each rule, added to the real library.
 VIOLATIONS = {
@@ -120,6 +152,12 @@ VIOLATIONS = {
     library_imports_the_app: ("tfdist.runner", "from tfdist.app import cli\n"),
     horovod_code_outside_its_wing: ("tfdist.runner",
                                     "from tfdist.horovod import collectives\n"),
+    model_parallel_patches_applied_outside_placement: (
+        "tfdist.parallel.pipeline", "def f():\n    patches.apply(patches.MODEL_PARALLEL)\n"),
+    model_devices_set_outside_the_base: (
+        "tfdist.adapters.one_device", "def f(self):\n    self.model_devices = ()\n"),
+    micro_batch_check_outside_dataset_checks: (
+        "tfdist.runner", "X = \"must divide each replica's batch\"\n"),
 }
 
 

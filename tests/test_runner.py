@@ -172,3 +172,14 @@ def test_a_checkpoint_dir_that_is_not_a_path_is_one_line():
         runner.callbacks(checkpoint_dir=123)
     assert str(raised.value) == ("checkpoint_dir must be a folder's path (a str or a "
                                  "pathlib.Path). Received: checkpoint_dir=123")
+
+
+def test_model_devices_read_before_the_strategy_is_built_says_so_in_one_line():
+    # The strategy decides which GPUs the process sees (Horovod pins each rank's), so the
+    # model's devices are known only after it; read earlier they used to be () silently.
+    from tfdist import registry
+
+    config = load_config(overrides={"strategy": "one_device", "model_parallel.devices": 2})
+    adapter = registry.get("one_device")(config, ClusterInfo())
+    with pytest.raises(RuntimeError, match="known once the strategy is built"):
+        adapter.model_devices

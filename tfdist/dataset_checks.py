@@ -6,7 +6,8 @@ reach `model.fit` as a bare `StopIteration`, or as a shape error deep in Keras:
 - a dataset batched already (`ds.batch(32)` passed in): its batches are batched again;
 - fewer examples than one global batch, with `drop_remainder` (the default): no step.
 
-Both are told here in one line. A batching operation is recognised by tf.data's own
+Both are told here in one line, and so is a batch a pipeline's micro-batches do not divide
+(`model_parallel.micro_batches`). A batching operation is recognised by tf.data's own
 dataset classes (`.batch()`, `.padded_batch()`, `.ragged_batch()`, `.sparse_batch()`,
 `.rebatch()`), found by walking the pipeline back from its end; an `.unbatch()` on the
 way back means the examples are unbatched again. A class this walk does not know is
@@ -63,6 +64,30 @@ def check_source(source: Any, global_batch_size: int, drop_remainder: bool = Tru
             f"the data holds {count} examples, fewer than one global batch of "
             f"{global_batch_size}, so no step would run; use a global_batch_size of at most "
             f"{count} (or more data). Received: global_batch_size={global_batch_size}")
+
+
+def check_micro_batches(global_batch_size: int, num_replicas: int, micro_batches: int) -> None:
+    """Refuses a batch whose replica's share `micro_batches` does not divide: a `Pipeline`
+    cuts each replica's batch into that many equal parts.
+
+    Args:
+        global_batch_size: The batch of one step across all replicas.
+        num_replicas: Replicas the batch is split across.
+        micro_batches: `model_parallel.micro_batches`.
+
+    Example:
+
+        check_micro_batches(64, num_replicas=2, micro_batches=4)   # 32 per replica: fine
+        check_micro_batches(60, num_replicas=2, micro_batches=4)   # ConfigError
+    """
+    per_replica = global_batch_size // max(1, num_replicas)
+    if micro_batches > 1 and per_replica % micro_batches:
+        raise ConfigError(f"model_parallel.micro_batches={micro_batches} must divide each "
+                          f"replica's batch of {per_replica} examples (global batch "
+                          f"{global_batch_size} over {num_replicas} replicas); use a "
+                          f"batch that is a multiple of {micro_batches * num_replicas}. "
+                          f"Received: global_batch_size={global_batch_size}, "
+                          f"model_parallel.micro_batches={micro_batches}")
 
 
 def _batching_call(dataset: Any) -> str | None:

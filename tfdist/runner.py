@@ -31,7 +31,7 @@ from absl import logging
 from tfdist import patches, registry
 from tfdist.cluster import ClusterInfo, beyond_loopback, detect_cluster
 from tfdist.config import Config, Strategy, ThreadsConfig, load_config
-from tfdist.dataset_checks import check_source
+from tfdist.dataset_checks import check_micro_batches, check_source
 from tfdist.errors import MISSING_TENSORFLOW, ConfigError
 from tfdist.files import atomic_write_text, writable_folder
 from tfdist.precision import PrecisionPolicy, resolve_precision
@@ -116,8 +116,6 @@ class Runner:
         # The devices this process spreads one model over (model_parallel.devices > 1):
         # `scope()` hands them to tfdist.parallel's layers.
         self.model_devices: tuple[str, ...] = self._adapter.model_devices
-        if self.model_devices:
-            patches.apply(patches.MODEL_PARALLEL)
         logging.info("tfdist: patches active: %s", ", ".join(patches.active()) or "none")
 
     def summary(self) -> str:
@@ -256,7 +254,8 @@ class Runner:
                 `drop_remainder`): see `tfdist.dataset_checks`.
         """
         check_source(source, global_batch_size, drop_remainder)
-        self._check_micro_batches(global_batch_size)
+        check_micro_batches(global_batch_size, self.num_replicas,
+                            self.config.model_parallel.micro_batches)
         shuffle = None
         if shuffle_buffer_size:
             if (not isinstance(shuffle_buffer_size, int) or isinstance(shuffle_buffer_size, bool)
@@ -274,17 +273,6 @@ class Runner:
             self._pipelines = PipelineReplay()
         return self._pipelines.track(self._adapter.distribute_dataset(
             source, global_batch_size, drop_remainder=drop_remainder, shuffle=shuffle))
-
-    def _check_micro_batches(self, global_batch_size: int) -> None:
-        micro_batches = self.config.model_parallel.micro_batches
-        per_replica = global_batch_size // max(1, self.num_replicas)
-        if micro_batches > 1 and per_replica % micro_batches:
-            raise ConfigError(f"model_parallel.micro_batches={micro_batches} must divide each "
-                              f"replica's batch of {per_replica} examples (global batch "
-                              f"{global_batch_size} over {self.num_replicas} replicas); use a "
-                              f"batch that is a multiple of {micro_batches * self.num_replicas}. "
-                              f"Received: global_batch_size={global_batch_size}, "
-                              f"model_parallel.micro_batches={micro_batches}")
 
     def callbacks(self, checkpoint_dir: str | os.PathLike | None = None, *,
                   save_every_steps: int | None = None, keep: int | None = None) -> list[Any]:

@@ -24,6 +24,7 @@ import tensorflow as tf
 from tfdist import patches as tfdist_patches
 from tfdist.cluster import ClusterInfo
 from tfdist.config import Config
+from tfdist.devices import model_devices
 from tfdist.errors import ConfigError
 from tfdist.patches import Patch
 from tfdist.resume.preemption import LocalStop, StopAgreement
@@ -55,7 +56,8 @@ class Adapter(abc.ABC):
     zero_refusal: str | None = "it does not shard training state; use strategy horovod"
     # Why this strategy cannot spread one model over several devices of a process
     # (`model_parallel.devices` > 1), for the one line that refuses it; None where it can
-    # (`create_strategy` then fills `model_devices`).
+    # (`model_devices` then lists them, and `create_strategy` builds no tf.distribute
+    # strategy: its variable placement would override the stages').
     model_parallel_refusal: str | None = (
         "each of its replicas is one device, and tf.distribute gives a replica no group of "
         "devices (tensorflow/tensorflow#33645); use strategy horovod (each rank one copy of "
@@ -75,8 +77,6 @@ class Adapter(abc.ABC):
             raise ConfigError(f"model_parallel.devices {devices} cannot run under strategy "
                               f"{name}: {self.model_parallel_refusal}. Received: strategy="
                               f"{name}, model_parallel.devices={devices}")
-        # The devices this process spreads one model over, when model_parallel.devices > 1.
-        self.model_devices: tuple[str, ...] = ()
         if self.single_process:
             check_single_process(config.strategy.value, cluster)
 
@@ -89,6 +89,24 @@ class Adapter(abc.ABC):
         """The strategy, created on first use (after this adapter's patches are applied)."""
         tfdist_patches.apply((*tfdist_patches.EXACT_UPDATES, *self.patches))
         return self.create_strategy()
+
+    @functools.cached_property
+    def model_devices(self) -> tuple[str, ...]:
+        """The devices this process spreads one model over (`model_parallel.devices` > 1:
+        its first K visible GPUs, or K logical CPU devices), else ().
+
+        Known once the strategy is built, which decides which GPUs this process sees.
+
+        Raises:
+            RuntimeError: read before `strategy`.
+        """
+        if "strategy" not in self.__dict__:
+            raise RuntimeError("model_devices is known once the strategy is built (it decides "
+                               "which GPUs this process sees); read adapter.strategy first")
+        count = self.config.model_parallel.devices
+        if count <= 1:
+            return ()
+        return model_devices(count, len(tf.config.get_visible_devices("GPU")))
 
     @property
     def is_chief(self) -> bool:

@@ -38,7 +38,6 @@ from tfdist.adapters.base import (Adapter, DatasetSource, batched, call_dataset_
                                   check_global_batch_size, check_horovod_world)
 from tfdist.cluster import ClusterInfo, set_default_environment
 from tfdist.config import Compression, Config, Reduction
-from tfdist.devices import model_devices
 from tfdist.errors import ConfigError
 from tfdist.horovod import collectives, elastic
 from tfdist.horovod.collectives import AverageMetrics, BroadcastState, ShardCollectives
@@ -108,7 +107,6 @@ class HorovodAdapter(Adapter):
             # Each rank one copy of the model over its devices (2-D parallelism). The
             # default strategy leaves placement to the layers: OneDeviceStrategy would put
             # every variable on its one device.
-            self.model_devices = model_devices(per_rank, min(len(gpus), per_rank))
             return tf.distribute.get_strategy()
         return tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0")
 

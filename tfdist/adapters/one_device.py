@@ -13,7 +13,6 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist.adapters.base import Adapter, check_device
-from tfdist.devices import model_devices
 
 
 class OneDeviceAdapter(Adapter):
@@ -29,8 +28,6 @@ class OneDeviceAdapter(Adapter):
         if self.config.model_parallel.devices > 1:
             # OneDeviceStrategy puts every variable on its one device, whatever `tf.device`
             # the layer asks for; the default strategy leaves placement to the layers.
-            self.model_devices = model_devices(self.config.model_parallel.devices,
-                                               len(tf.config.list_physical_devices("GPU")))
             return tf.distribute.get_strategy()
         device = self.config.one_device.device or ("/gpu:0" if self.cluster.gpus else "/cpu:0")
         return tf.distribute.OneDeviceStrategy(

@@ -33,7 +33,6 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdist import patches
 from tfdist.errors import ConfigError
 from tfdist.parallel.placement import current_micro_batches, on_device, resolve_devices
 
@@ -114,7 +113,6 @@ class Pipeline(keras.Model):
         if not layers:
             raise ConfigError("Pipeline needs at least one layer. Received: layers=[]")
         self.devices = resolve_devices(devices, "Pipeline")
-        patches.apply(patches.MODEL_PARALLEL)
         self.stack = layers  # Tracked by Keras: model.layers lists them in this order.
         self.micro_batches = micro_batches or current_micro_batches()
         if self.micro_batches < 1:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 
+from tfdist import patches
 from tfdist.errors import ConfigError
 
 _placements: list[tuple[tuple[str, ...], int]] = []
@@ -54,7 +55,9 @@ def current_micro_batches() -> int:
 
 
 def resolve_devices(devices: Sequence[str] | None, what: str) -> tuple[str, ...]:
-    """`devices`, or the Runner's; refuses none at all.
+    """`devices`, or the Runner's; refuses none at all. Every layer of `tfdist.parallel`
+    asks here, so this is where their patches (`patches.MODEL_PARALLEL`) are applied,
+    before the layer builds anything.
 
     Args:
         devices: Given by the user, or None.
@@ -65,6 +68,7 @@ def resolve_devices(devices: Sequence[str] | None, what: str) -> tuple[str, ...]
         raise ConfigError(f"{what} needs the devices to spread the model over: build it inside "
                           f"runner.scope() with model_parallel.devices > 1, or pass devices=[...]. "
                           f"Received: no devices")
+    patches.apply(patches.MODEL_PARALLEL)
     return found
 
 

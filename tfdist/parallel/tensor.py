@@ -26,7 +26,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import patches
 from tfdist.errors import ConfigError
 from tfdist.parallel.placement import on_device, resolve_devices
 
@@ -58,7 +57,6 @@ class _SplitDense(_WholeWeights, keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.devices = resolve_devices(devices, type(self).__name__)
-        patches.apply(patches.MODEL_PARALLEL)
 
     def _make_kernels(self, shape: tuple[int, int]) -> None:
         # The whole kernel is drawn once, as Dense draws it, then cut: the same seed gives
@@ -267,7 +265,6 @@ class ParallelMultiHeadAttention(_WholeWeights, keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.devices = resolve_devices(devices, "ParallelMultiHeadAttention")
-        patches.apply(patches.MODEL_PARALLEL)
         if self.num_heads % len(self.devices):
             raise ConfigError(f"ParallelMultiHeadAttention splits its heads over "
                               f"{len(self.devices)} devices, which must divide them. Received: "
