@@ -94,6 +94,25 @@ class DatasetName(_Choice):
     SYNTHETIC = "synthetic"
 
 
+class ZeroStage(enum.IntEnum):
+    """How much training state each Horovod rank shards (ZeRO): a number, as DeepSpeed's
+    `zero_optimization.stage` is. Prints and serialises as its number."""
+
+    NONE = 0  # Every rank holds all of the optimizer state.
+    OPTIMIZER_STATE = 1  # Each rank holds 1/N of it: its variables'.
+    GRADIENTS = 2  # Also reduces only its slice of the gradients (reduce-scatter).
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+# What a number-valued choice must be, for its one-line error.
+_NUMBERED: dict[type[enum.IntEnum], str] = {
+    ZeroStage: "0, 1 or 2 (0: no sharding; 1: optimizer state; 2: optimizer state and "
+               "gradients)",
+}
+
+
 class OptimizerName(_Choice):
     """The main job's optimizer."""
 
@@ -124,6 +143,31 @@ _ALIASES: dict[type[enum.Enum], dict[str, enum.Enum]] = {
 def choices(enum_cls: type[enum.Enum]) -> str:
     """The values of an enum's members, comma-separated, for messages."""
     return ", ".join(m.value for m in enum_cls)
+
+
+def parse_numbered(enum_cls: type[enum.IntEnum], value: Any, key: str) -> Any:
+    """Resolves a number-valued choice (`ZeroStage`): a member, or its number.
+
+    Args:
+        enum_cls: The enum, e.g. `ZeroStage`.
+        value: A member, or an integer.
+        key: The config key, for the error message.
+
+    Raises:
+        ConfigError: not an integer, or a number that names no member.
+
+    Example:
+
+        parse_numbered(ZeroStage, 2, "zero_stage")   # ZeroStage.GRADIENTS
+    """
+    if isinstance(value, enum_cls):
+        return value
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{key} must be an integer. Received: {key}={value!r} "
+                          f"({type(value).__name__})")
+    if value not in {member.value for member in enum_cls}:
+        raise ConfigError(f"{key} must be {_NUMBERED[enum_cls]}. Received: {key}={value!r}")
+    return enum_cls(value)
 
 
 def parse_enum(enum_cls: type[enum.Enum], value: Any, key: str) -> Any:

@@ -6,9 +6,10 @@ file, then overrides (dotted keys), then validation. The result is frozen.
 Every value passes through `Config.__post_init__`, whichever way the config
 was made (`load_config`, `Config(...)`, `dataclasses.replace`): strings become
 enums through one resolver with a small alias table (`tfdist.choices`), sections given as dicts
-become dataclasses, and one function (`_validate`) checks ranges and
-combinations. Errors are one line that names the key, says what is expected
-and ends with what was received.
+become dataclasses, each field's bound (beside it: `_field(..., bound=...)`) is
+checked by one loop, and `_validate` checks the values that must agree with each
+other. Errors are one line that names the key, says what is expected and ends with what
+was received.
 
 Example:
 
@@ -28,20 +29,21 @@ import os
 import re
 import types
 import typing
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import yaml
 
 from tfdist import presets
 from tfdist.choices import (AutoShard, Communication, Compression, CrossDeviceOps, DatasetName,
-                            OptimizerName, Precision, Reduction, Strategy, parse_enum)
+                            OptimizerName, Precision, Reduction, Strategy, ZeroStage,
+                            parse_enum, parse_numbered)
 from tfdist.errors import ConfigError
 
 __all__ = ["AutoShard", "CheckpointConfig", "ClusterConfig", "Communication", "Compression",
            "Config", "CrossDeviceOps", "DEFAULT_COLLECTIVE_TIMEOUT_SECONDS", "DatasetName",
            "HorovodConfig", "MirroredConfig", "ModelParallelConfig", "MultiWorkerConfig",
            "OneDeviceConfig", "OptimizerName", "ParameterServerConfig", "Precision",
-           "Reduction", "Strategy", "TPUConfig", "ThreadsConfig", "TrainConfig",
+           "Reduction", "Strategy", "TPUConfig", "ThreadsConfig", "TrainConfig", "ZeroStage",
            "check_precision_supported", "config_keys", "field_help", "load_config",
            "parse_enum"]
 
@@ -53,8 +55,32 @@ __all__ = ["AutoShard", "CheckpointConfig", "ClusterConfig", "Communication", "C
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 60.0
 
 
-def _field(default: Any, help: str) -> Any:  # noqa: A002 - `help` is the metadata's name
-    return dataclasses.field(default=default, metadata={"help": help})
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """What one field's value must be: a check, and the words its one-line error uses."""
+
+    holds: Callable[[Any], bool]
+    requirement: str
+
+
+def _at_least(low: float, requirement: str) -> _Bound:
+    return _Bound(lambda value: value >= low, requirement)
+
+
+def _above(low: float, requirement: str) -> _Bound:
+    return _Bound(lambda value: value > low, requirement)
+
+
+def _field(default: Any, help: str,  # noqa: A002 - `help` is the metadata's name
+           bound: _Bound | None = None) -> Any:
+    """A config field: its default, its help (`tfdist train --help`), and the bound its
+    value must keep (checked by `_check_bounds`; None, as for an unset seed, is not checked)."""
+    return dataclasses.field(default=default, metadata={"help": help, "bound": bound})
+
+
+_SECONDS = _at_least(0, "a number of seconds >= 0 (0: no timeout)")
+_THREADS = _at_least(0, "an integer >= 0 (0: TensorFlow's default)")
+_POSITIVE = _at_least(1, "an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +101,9 @@ class MirroredConfig:
         CrossDeviceOps.AUTO,
         "Gradient all-reduce: auto (TensorFlow's choice), nccl, hierarchical_copy, reduce_to_one.")
     cpu_replicas: int = _field(
-        0, "Split the CPU into this many logical devices and mirror across them (0: no split).")
+        0, "Split the CPU into this many logical devices and mirror across them (0: no split).",
+        bound=_at_least(0,
+                        "an integer >= 0 (logical CPU devices to mirror across; 0 means no split)"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,21 +115,27 @@ class MultiWorkerConfig:
     bytes_per_pack: int = _field(
         0, "Split the gradients into packs of about this many bytes, each all-reduced as "
            "soon as its gradients are computed, overlapping the backward pass (0: one pack, "
-           "all-reduced once every gradient is computed).")
+           "all-reduced once every gradient is computed).",
+        bound=_at_least(0, "0 (one pack) or a positive number of bytes"))
     timeout_seconds: float = _field(
         DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,
         "Abort a collective that waits longer than this for a peer, so a stuck or dead worker "
-        "becomes an error on every other worker instead of a hang (0: wait forever).")
+        "becomes an error on every other worker instead of a hang (0: wait forever).",
+        bound=_SECONDS)
     auto_shard: AutoShard = _field(
         AutoShard.AUTO, "How datasets are split across workers: auto, data, file or off.")
     cpu_replicas: int = _field(
-        0, "Replicas per worker on logical CPU devices, for machines without GPUs (0: one).")
+        0, "Replicas per worker on logical CPU devices, for machines without GPUs (0: one).",
+        bound=_at_least(0, "an integer >= 0 (replicas per worker on the CPU)"))
     workers: tuple[str, ...] = _field(
         (), "host:port of every worker, chief first, when neither TF_CONFIG nor Slurm sets "
-            "the cluster.")
+            "the cluster.",
+        bound=_Bound(lambda workers: all(":" in address for address in workers),
+                     "a list of 'host:port' addresses"))
     task_index: int = _field(0, "This process's index in `workers`.")
     slurm_port_base: int = _field(
-        8888, "Under Slurm, the first port of the workers on each node (one port per task).")
+        8888, "Under Slurm, the first port of the workers on each node (one port per task).",
+        bound=_Bound(lambda port: 1024 <= port <= 65000, "a port number from 1024 to 65000"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +168,13 @@ class HorovodConfig:
         False, "Multiply the learning rate by the number of ranks (Goyal et al., 2017).")
     warmup_steps: int = _field(
         0, "With scale_learning_rate: ramp linearly from the base rate to the scaled one "
-           "over this many updates (0: scaled from the first update).")
+           "over this many updates (0: scaled from the first update).",
+        bound=_at_least(0, "an integer >= 0 (updates to ramp the scaled learning rate over)"))
     timeout_seconds: float = _field(
         DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,
         "Shut Horovod down when a rank has not joined a collective the others wait in for "
-        "this long, so a stuck rank becomes an error instead of a hang (0: wait forever).")
+        "this long, so a stuck rank becomes an error instead of a hang (0: wait forever).",
+        bound=_SECONDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +183,12 @@ class ParameterServerConfig:
 
     min_shard_bytes: int = _field(
         256 << 10, "A variable is split into shards of at least this many bytes, across "
-                   "the parameter servers (row-wise, on its first axis).")
+                   "the parameter servers (row-wise, on its first axis).",
+        bound=_at_least(1, "an integer >= 1 (bytes per shard, at least)"))
     max_shards: int = _field(
         0, "At most this many shards per variable (0: one per parameter server; "
-           "1: no sharding).")
+           "1: no sharding).",
+        bound=_at_least(0, "an integer >= 0 (0: one shard per parameter server)"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,10 +199,12 @@ class ModelParallelConfig:
     devices: int = _field(
         1, "Devices each process spreads one model over: its GPUs (horovod rank r: GPUs "
            "r*K ... r*K+K-1 of its machine), or this many logical CPU devices without GPUs. "
-           "1: no model parallelism. one_device and horovod only.")
+           "1: no model parallelism. one_device and horovod only.",
+        bound=_at_least(1, "an integer >= 1 (devices one model is spread over in each process)"))
     micro_batches: int = _field(
         1, "Micro-batches each batch is cut into by a tfdist.parallel.Pipeline, whose stages "
-           "then overlap (GPipe); must divide each process's batch.")
+           "then overlap (GPipe); must divide each process's batch.",
+        bound=_at_least(1, "an integer >= 1 (micro-batches per batch in a Pipeline)"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,12 +216,16 @@ class CheckpointConfig:
             "the same folder resumes from its newest good checkpoint (empty: no checkpoints).")
     save_every_steps: int = _field(
         0, "Also save every this many training steps, counted across epochs (0: at the end of "
-           "each epoch only).")
-    keep: int = _field(3, "Checkpoints kept; older ones are deleted (at least 2, so a torn "
-                          "newest one has a fallback).")
+           "each epoch only).", bound=_at_least(0, "an integer >= 0 (0: at epoch ends only)"))
+    keep: int = _field(
+        3, "Checkpoints kept; older ones are deleted (at least 2, so a torn newest one has a "
+           "fallback).",
+        bound=_at_least(2, "an integer >= 2 (the newest checkpoint and at least one to fall "
+                           "back on)"))
     grace_seconds: float = _field(
         25.0, "After SIGTERM, every process saves at one agreed step and exits with status "
-              "143; a process still running this long after the signal exits without saving.")
+              "143; a process still running this long after the signal exits without saving.",
+        bound=_above(0, "a number of seconds > 0"))
     resume_changed: bool = _field(
         False, "Resume a checkpoint folder even though the run differs from the one that made "
                "it (another model, optimizer setting, batch, or fewer epochs); without it such "
@@ -194,8 +238,8 @@ class ThreadsConfig:
 
     inter_op: int = _field(
         0, "Threads running independent ops (0: TensorFlow's default). "
-           "With several local processes use at least processes + 1.")
-    intra_op: int = _field(0, "Threads inside one op (0: TensorFlow's default).")
+           "With several local processes use at least processes + 1.", bound=_THREADS)
+    intra_op: int = _field(0, "Threads inside one op (0: TensorFlow's default).", bound=_THREADS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +249,7 @@ class ClusterConfig:
     startup_timeout_seconds: float = _field(
         300.0, "How long a task waits at start-up for every other task to answer before it "
                "stops with a line naming those that never did (pods being scheduled, images "
-               "being pulled: minutes, not seconds).")
+               "being pulled: minutes, not seconds).", bound=_above(0, "a number of seconds > 0"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,17 +257,23 @@ class TrainConfig:
     """The main job run by `tfdist train`; the Runner itself does not read it."""
 
     dataset: DatasetName = _field(DatasetName.DIGITS, "digits (real, bundled) or synthetic.")
-    epochs: int = _field(5, "Passes over the training data.")
+    epochs: int = _field(5, "Passes over the training data.", bound=_POSITIVE)
     global_batch_size: int = _field(
-        64, "Examples per step across all replicas (the micro-batch when accumulating).")
+        64, "Examples per step across all replicas (the micro-batch when accumulating).",
+        bound=_POSITIVE)
     optimizer: OptimizerName = _field(OptimizerName.ADAM, "adam or sgd.")
-    learning_rate: float = _field(1e-3, "Learning rate of the optimizer.")
-    hidden_units: int = _field(128, "Width of the reference model's hidden layers.")
-    hidden_layers: int = _field(2, "Number of hidden Dense layers in the reference model.")
-    synthetic_examples: int = _field(4096, "Training examples in the synthetic dataset.")
-    synthetic_features: int = _field(256, "Features per synthetic example.")
+    learning_rate: float = _field(1e-3, "Learning rate of the optimizer.",
+                                  bound=_above(0, "a number > 0"))
+    hidden_units: int = _field(128, "Width of the reference model's hidden layers.",
+                               bound=_POSITIVE)
+    hidden_layers: int = _field(2, "Number of hidden Dense layers in the reference model.",
+                                bound=_at_least(0, "an integer >= 0"))
+    synthetic_examples: int = _field(4096, "Training examples in the synthetic dataset.",
+                                     bound=_POSITIVE)
+    synthetic_features: int = _field(256, "Features per synthetic example.", bound=_POSITIVE)
     output_dir: str = _field(
-        "tfdist_output", "Where the chief writes the resolved config and result.")
+        "tfdist_output", "Where the chief writes the resolved config and result.",
+        bound=_Bound(bool, "a directory path"))
     tensorboard: bool = _field(False, "Write TensorBoard logs to output_dir/tensorboard (chief).")
 
 
@@ -267,12 +317,16 @@ class Config:
     accumulation_steps: int = _field(
         1, "Micro-batches per optimizer update: gradients of this many steps are summed on "
            "each replica and applied (and reduced across replicas) once, as one batch this "
-           "many times larger.")
-    zero_stage: int = _field(
-        0, "Sharded training state (ZeRO), under horovod: 0 every rank holds all of the "
-           "optimizer state; 1 each holds 1/N of it (its variables'); 2 also receives only its "
-           "slice of the averaged gradients (element-wise optimizers: SGD, Adam, AdamW, ...).")
-    seed: int | None = _field(None, "Seed for Python, NumPy and TensorFlow. Unset: not seeded.")
+           "many times larger.",
+        bound=_at_least(1, "an integer >= 1 (micro-batches per optimizer update; 1 means no "
+                           "accumulation)"))
+    zero_stage: ZeroStage = _field(
+        ZeroStage.NONE,
+        "Sharded training state (ZeRO), under horovod: 0 every rank holds all of the "
+        "optimizer state; 1 each holds 1/N of it (its variables'); 2 also receives only its "
+        "slice of the averaged gradients (element-wise optimizers: SGD, Adam, AdamW, ...).")
+    seed: int | None = _field(None, "Seed for Python, NumPy and TensorFlow. Unset: not seeded.",
+                              bound=_at_least(0, "a non-negative integer, or unset"))
     one_device: OneDeviceConfig = _field(OneDeviceConfig(), "Options of one_device.")
     mirrored: MirroredConfig = _field(MirroredConfig(), "Options of mirrored.")
     multi_worker: MultiWorkerConfig = _field(MultiWorkerConfig(), "Options of multi_worker.")
@@ -387,6 +441,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return None
         (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         origin = typing.get_origin(hint)
+    if isinstance(hint, type) and issubclass(hint, enum.IntEnum):
+        return parse_numbered(hint, value, key)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return parse_enum(hint, value, key)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
@@ -464,28 +520,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# --- validation: every range and combination, in one place ------------------------------
+# --- validation: the fields' bounds, then their combinations ------------------------------
 
 
 def _validate(config: Config) -> None:
+    _check_bounds(config, "")
+
     def require(ok: bool, key: str, value: Any, requirement: str) -> None:
         if not ok:
             raise ConfigError(f"{key} must be {requirement}. Received: {key}={value!r}")
 
-    require(config.accumulation_steps >= 1, "accumulation_steps", config.accumulation_steps,
-            "an integer >= 1 (micro-batches per optimizer update; 1 means no accumulation)")
-    require(config.zero_stage in (0, 1, 2), "zero_stage", config.zero_stage,
-            "0, 1 or 2 (0: no sharding; 1: optimizer state; 2: optimizer state and gradients)")
-    parallel = config.model_parallel
-    require(parallel.devices >= 1, "model_parallel.devices", parallel.devices,
-            "an integer >= 1 (devices one model is spread over in each process)")
-    require(parallel.micro_batches >= 1, "model_parallel.micro_batches",
-            parallel.micro_batches, "an integer >= 1 (micro-batches per batch in a Pipeline)")
-    if config.seed is not None:
-        require(config.seed >= 0, "seed", config.seed, "a non-negative integer, or unset")
+    # What no single field's bound can say: values that must agree with each other.
     mirrored = config.mirrored
-    require(mirrored.cpu_replicas >= 0, "mirrored.cpu_replicas", mirrored.cpu_replicas,
-            "an integer >= 0 (logical CPU devices to mirror across; 0 means no split)")
     require(not (mirrored.cpu_replicas and mirrored.devices), "mirrored.cpu_replicas",
             mirrored.cpu_replicas, "0 when mirrored.devices is set: choose the devices or "
             "the CPU split, not both")
@@ -493,58 +539,31 @@ def _validate(config: Config) -> None:
             "mirrored.cross_device_ops", "nccl", "auto, hierarchical_copy or reduce_to_one "
             "with cpu_replicas: NCCL reduces on GPUs only")
     multi_worker = config.multi_worker
-    require(multi_worker.cpu_replicas >= 0, "multi_worker.cpu_replicas",
-            multi_worker.cpu_replicas, "an integer >= 0 (replicas per worker on the CPU)")
-    require(multi_worker.timeout_seconds >= 0, "multi_worker.timeout_seconds",
-            multi_worker.timeout_seconds, "a number of seconds >= 0 (0: no timeout)")
-    require(config.cluster.startup_timeout_seconds > 0, "cluster.startup_timeout_seconds",
-            config.cluster.startup_timeout_seconds, "a number of seconds > 0")
     require(0 <= multi_worker.task_index < max(1, len(multi_worker.workers)),
             "multi_worker.task_index", multi_worker.task_index,
             f"an index into multi_worker.workers (0 to {max(0, len(multi_worker.workers) - 1)})")
-    require(1024 <= multi_worker.slurm_port_base <= 65000, "multi_worker.slurm_port_base",
-            multi_worker.slurm_port_base, "a port number from 1024 to 65000")
-    require(all(":" in address for address in multi_worker.workers), "multi_worker.workers",
-            list(multi_worker.workers), "a list of 'host:port' addresses")
     require(not (multi_worker.cpu_replicas and multi_worker.communication is Communication.NCCL),
             "multi_worker.communication", "nccl", "auto or ring with cpu_replicas: NCCL "
             "runs on GPUs only")
     horovod = config.horovod
-    require(multi_worker.bytes_per_pack >= 0, "multi_worker.bytes_per_pack",
-            multi_worker.bytes_per_pack, "0 (one pack) or a positive number of bytes")
-    require(horovod.timeout_seconds >= 0, "horovod.timeout_seconds", horovod.timeout_seconds,
-            "a number of seconds >= 0 (0: no timeout)")
-    require(horovod.warmup_steps >= 0, "horovod.warmup_steps", horovod.warmup_steps,
-            "an integer >= 0 (updates to ramp the scaled learning rate over)")
     require(not horovod.warmup_steps or horovod.scale_learning_rate, "horovod.warmup_steps",
             horovod.warmup_steps, "0 unless horovod.scale_learning_rate is true: the warmup "
             "ramps up to the scaled rate")
-    parameter_server = config.parameter_server
-    require(parameter_server.min_shard_bytes >= 1, "parameter_server.min_shard_bytes",
-            parameter_server.min_shard_bytes, "an integer >= 1 (bytes per shard, at least)")
-    require(parameter_server.max_shards >= 0, "parameter_server.max_shards",
-            parameter_server.max_shards, "an integer >= 0 (0: one shard per parameter server)")
-    checkpoint = config.checkpoint
-    require(checkpoint.save_every_steps >= 0, "checkpoint.save_every_steps",
-            checkpoint.save_every_steps, "an integer >= 0 (0: at epoch ends only)")
-    require(checkpoint.keep >= 2, "checkpoint.keep", checkpoint.keep,
-            "an integer >= 2 (the newest checkpoint and at least one to fall back on)")
-    require(checkpoint.grace_seconds > 0, "checkpoint.grace_seconds", checkpoint.grace_seconds,
-            "a number of seconds > 0")
-    for name in ("inter_op", "intra_op"):
-        value = getattr(config.threads, name)
-        require(value >= 0, f"threads.{name}", value, "an integer >= 0 (0: TensorFlow's default)")
     check_precision_supported(config.strategy, config.precision)
-    train = config.train
-    for name in ("epochs", "global_batch_size", "hidden_units", "synthetic_examples",
-                 "synthetic_features"):
-        value = getattr(train, name)
-        require(value >= 1, f"train.{name}", value, "an integer >= 1")
-    require(train.hidden_layers >= 0, "train.hidden_layers", train.hidden_layers,
-            "an integer >= 0")
-    require(train.learning_rate > 0, "train.learning_rate", train.learning_rate,
-            "a number > 0")
-    require(bool(train.output_dir), "train.output_dir", train.output_dir, "a directory path")
+
+
+def _check_bounds(section: Any, prefix: str) -> None:
+    """Every field's bound (`_field(..., bound=...)`), sections included, in the order the
+    fields are declared; the first value out of bounds raises its one line."""
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            _check_bounds(value, key + ".")
+            continue
+        bound = f.metadata.get("bound")
+        if bound is not None and value is not None and not bound.holds(value):
+            raise ConfigError(f"{key} must be {bound.requirement}. Received: "
+                              f"{key}={_plain(value)!r}")
 
 
 def check_precision_supported(strategy: Strategy, precision: Precision | None) -> None:

@@ -29,12 +29,14 @@ from typing import Any, Iterator
 from absl import logging
 
 from tfdist import patches, registry
-from tfdist.cluster import ClusterInfo, beyond_loopback, detect_cluster
-from tfdist.config import Config, Strategy, ThreadsConfig, load_config
+from tfdist.cluster import ClusterInfo, detect_cluster
+from tfdist.config import Config, Strategy, load_config
 from tfdist.dataset_checks import check_micro_batches, check_source
 from tfdist.errors import MISSING_TENSORFLOW, ConfigError
 from tfdist.files import atomic_write_text, writable_folder
 from tfdist.precision import PrecisionPolicy, resolve_precision
+from tfdist.resume.inputs import ResumeInputs
+from tfdist.startup import configure_threads, warn_if_untrusted_network
 
 
 def choose_strategy(cluster: ClusterInfo) -> tuple[Strategy, str]:
@@ -102,12 +104,10 @@ class Runner:
         self.config = dataclasses.replace(config, strategy=strategy_name,
                                           precision=self.precision.precision)
         self._adapter = adapter_cls(self.config, self.cluster)
-        _warn_if_untrusted_network(self._adapter.server_addresses(), config.trusted_network)
-        self._shuffles: list[Any] = []  # tfdist.resume.shuffling.EpochShuffle
-        self._pipelines: Any = None  # tfdist.resume.shuffling.PipelineReplay, made with a dataset
-        self._elastic_state: Any = None
-        _configure_threads(config.threads, default_inter_op=self._adapter.inter_op_threads(),
-                           default_intra_op=self._adapter.intra_op_threads())
+        warn_if_untrusted_network(self._adapter.server_addresses(), config.trusted_network)
+        self._resume = ResumeInputs()
+        configure_threads(config.threads, default_inter_op=self._adapter.inter_op_threads(),
+                          default_intra_op=self._adapter.intra_op_threads())
         if config.seed is not None:
             import keras
 
@@ -263,15 +263,8 @@ class Runner:
                 raise ConfigError(f"shuffle_buffer_size must be an integer >= 0 (0: no "
                                   f"shuffle). Received: shuffle_buffer_size="
                                   f"{shuffle_buffer_size!r}")
-            from tfdist.resume.shuffling import EpochShuffle
-
-            shuffle = EpochShuffle(shuffle_buffer_size, seed=self.config.seed or 0)
-            self._shuffles.append(shuffle)
-        from tfdist.resume.shuffling import PipelineReplay
-
-        if self._pipelines is None:
-            self._pipelines = PipelineReplay()
-        return self._pipelines.track(self._adapter.distribute_dataset(
+            shuffle = self._resume.epoch_shuffle(shuffle_buffer_size, seed=self.config.seed or 0)
+        return self._resume.track(self._adapter.distribute_dataset(
             source, global_batch_size, drop_remainder=drop_remainder, shuffle=shuffle))
 
     def callbacks(self, checkpoint_dir: str | os.PathLike | None = None, *,
@@ -306,23 +299,18 @@ class Runner:
         directory = options.dir if checkpoint_dir is None else os.fspath(checkpoint_dir)
         from tfdist.callbacks import StrategyScopeCheck
 
-        scope_check = StrategyScopeCheck(self.strategy)
-        if not directory and self._elastic_state is None:
-            return [scope_check, *self._adapter.callbacks()]
-        from tfdist.resume.backup import BackupAndRestore
-
         if directory and self.is_chief:
             writable_folder(directory, "checkpoint_dir")  # Now, not at the first save.
-        backup = BackupAndRestore(
-            directory or None, self._adapter, shuffles=self._shuffles, pipelines=self._pipelines,
+        backup = self._resume.backup(
+            directory or None, self._adapter,
             save_every_steps=(options.save_every_steps if save_every_steps is None
                               else save_every_steps),
             keep=options.keep if keep is None else keep, grace_seconds=options.grace_seconds,
-            elastic_state=self._elastic_state,
             settings={"accumulation_steps": self.config.accumulation_steps,
                       "precision": self.precision.name, "seed": self.config.seed},
             resume_changed=options.resume_changed)
-        return [scope_check, backup, *self._adapter.callbacks()]
+        return [StrategyScopeCheck(self.strategy), *([backup] if backup else []),
+                *self._adapter.callbacks()]
 
     def run_elastic(self, train: Any) -> Any:
         """Runs `train()` under Horovod elastic: it goes on with the ranks left when one is lost.
@@ -360,12 +348,8 @@ class Runner:
                               f"Received: zero_stage={self.config.zero_stage}")
 
         def train_with(state: Any) -> Any:
-            # runner.callbacks() inside `train` commits to `state`.
-            self._elastic_state = state
-            try:
+            with self._resume.committing_to(state):  # runner.callbacks() inside `train`.
                 return train()
-            finally:
-                self._elastic_state = None
 
         return self._adapter.run_elastic(train_with)
 
@@ -401,62 +385,3 @@ class Runner:
             return None
         return atomic_write_text(os.path.join(os.fspath(directory), "config.yaml"),
                                  self.config.to_yaml())
-
-
-_warned_untrusted = False
-
-
-def _warn_if_untrusted_network(addresses: list[str], trusted: bool) -> None:
-    """Warns once, before any server starts, that TensorFlow's gRPC servers take anyone's calls.
-
-    TensorFlow's distributed runtime authenticates no one: a process that can reach
-    a server's port can run any operation in it (TensorFlow's SECURITY.md). A
-    cluster whose addresses all lead back to this machine is the one case left
-    alone, though even then TensorFlow listens on every interface.
-    """
-    global _warned_untrusted
-    exposed = beyond_loopback(addresses)
-    if not exposed or trusted or _warned_untrusted:
-        return
-    _warned_untrusted = True
-    logging.warning("tfdist: this cluster's TensorFlow servers talk over %s, and TensorFlow's "
-                    "gRPC servers run whatever any caller sends, without authentication (see "
-                    "TensorFlow's SECURITY.md). Run only on a network that admits trusted "
-                    "machines alone, and then set trusted_network: true to silence this "
-                    "warning.", ", ".join(exposed[:4]) + (", ..." if len(exposed) > 4 else ""))
-
-
-def _configure_threads(threads: ThreadsConfig, default_inter_op: int = 0,
-                       default_intra_op: int = 0) -> None:
-    """Sets TensorFlow's thread pools, which are fixed once its runtime starts.
-
-    Args:
-        threads: The config's thread counts (0: leave to the adapter, then TensorFlow).
-        default_inter_op: The adapter's inter-op count when the config sets none.
-        default_intra_op: The adapter's intra-op count when the config sets none.
-    """
-    import tensorflow as tf
-
-    pools = tf.config.threading
-    settings = (
-        ("inter_op", threads.inter_op, default_inter_op, pools.get_inter_op_parallelism_threads,
-         pools.set_inter_op_parallelism_threads,
-         ", and several processes on one machine can deadlock with fewer"),
-        ("intra_op", threads.intra_op, default_intra_op, pools.get_intra_op_parallelism_threads,
-         pools.set_intra_op_parallelism_threads, ""))
-    for name, count, default, getter, setter, why in settings:
-        if count:
-            try:
-                setter(count)
-            except RuntimeError:
-                raise ConfigError(f"threads.{name}={count} cannot be applied: TensorFlow's "
-                                  f"runtime has already started; create the Runner before any "
-                                  f"TensorFlow op runs. Received: threads.{name}={count}") from None
-        elif default:
-            try:
-                setter(max(getter(), default))
-            except RuntimeError:
-                logging.warning("tfdist: TensorFlow started before the Runner, so its %s "
-                                "threads stay at TensorFlow's default; this strategy wants %d%s. "
-                                "Create the Runner before any TensorFlow op, or set threads.%s.",
-                                name.replace("_", "-"), default, why, name)

@@ -10,6 +10,11 @@ on its own address and connects to every other task's, until all have answered o
 `cluster.startup_timeout_seconds` have passed. Only then does TensorFlow start, with
 every peer known to be up. Meanwhile SIGTERM and Ctrl-C end the process as usual.
 
+The rest of a process's start, before TensorFlow's runtime, is here too: its thread
+pools (`configure_threads`: several local processes deadlock with too few inter-op
+threads) and the warning that TensorFlow's servers authenticate no one
+(`warn_if_untrusted_network`).
+
 Example:
 
     wait_for_peers("127.0.0.1:2222", {"worker:1": "127.0.0.1:2223"}, timeout_seconds=300)
@@ -26,7 +31,9 @@ from typing import Iterator, Mapping
 
 from absl import logging
 
-from tfdist.errors import ClusterError
+from tfdist.cluster import beyond_loopback
+from tfdist.config import ThreadsConfig
+from tfdist.errors import ClusterError, ConfigError
 
 # How often an absent peer is tried again, and how long one try may take.
 _RETRY_SECONDS = 0.25
@@ -127,3 +134,80 @@ def _listening(address: str) -> Iterator[None]:
 def _split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+# --- the process itself, before TensorFlow starts ----------------------------------------
+
+
+_warned_untrusted = False
+
+
+def warn_if_untrusted_network(addresses: list[str], trusted: bool) -> None:
+    """Warns once, before any server starts, that TensorFlow's gRPC servers take anyone's calls.
+
+    TensorFlow's distributed runtime authenticates no one: a process that can reach
+    a server's port can run any operation in it (TensorFlow's SECURITY.md). A
+    cluster whose addresses all lead back to this machine is the one case left
+    alone, though even then TensorFlow listens on every interface.
+
+    Args:
+        addresses: Every task's host:port in the cluster.
+        trusted: The config's `trusted_network`: the user vouches for the network.
+
+    Example:
+
+        warn_if_untrusted_network(["10.0.0.7:2222"], trusted=False)   # warns, once
+    """
+    global _warned_untrusted
+    exposed = beyond_loopback(addresses)
+    if not exposed or trusted or _warned_untrusted:
+        return
+    _warned_untrusted = True
+    logging.warning("tfdist: this cluster's TensorFlow servers talk over %s, and TensorFlow's "
+                    "gRPC servers run whatever any caller sends, without authentication (see "
+                    "TensorFlow's SECURITY.md). Run only on a network that admits trusted "
+                    "machines alone, and then set trusted_network: true to silence this "
+                    "warning.", ", ".join(exposed[:4]) + (", ..." if len(exposed) > 4 else ""))
+
+
+def configure_threads(threads: ThreadsConfig, default_inter_op: int = 0,
+                      default_intra_op: int = 0) -> None:
+    """Sets TensorFlow's thread pools, which are fixed once its runtime starts.
+
+    Args:
+        threads: The config's thread counts (0: leave to the adapter, then TensorFlow).
+        default_inter_op: The adapter's inter-op count when the config sets none.
+        default_intra_op: The adapter's intra-op count when the config sets none.
+
+    Raises:
+        ConfigError: a count the config sets, with TensorFlow's runtime started already.
+
+    Example:
+
+        configure_threads(config.threads, default_inter_op=3)   # 2 processes + 1
+    """
+    import tensorflow as tf
+
+    pools = tf.config.threading
+    settings = (
+        ("inter_op", threads.inter_op, default_inter_op, pools.get_inter_op_parallelism_threads,
+         pools.set_inter_op_parallelism_threads,
+         ", and several processes on one machine can deadlock with fewer"),
+        ("intra_op", threads.intra_op, default_intra_op, pools.get_intra_op_parallelism_threads,
+         pools.set_intra_op_parallelism_threads, ""))
+    for name, count, default, getter, setter, why in settings:
+        if count:
+            try:
+                setter(count)
+            except RuntimeError:
+                raise ConfigError(f"threads.{name}={count} cannot be applied: TensorFlow's "
+                                  f"runtime has already started; create the Runner before any "
+                                  f"TensorFlow op runs. Received: threads.{name}={count}") from None
+        elif default:
+            try:
+                setter(max(getter(), default))
+            except RuntimeError:
+                logging.warning("tfdist: TensorFlow started before the Runner, so its %s "
+                                "threads stay at TensorFlow's default; this strategy wants %d%s. "
+                                "Create the Runner before any TensorFlow op, or set threads.%s.",
+                                name.replace("_", "-"), default, why, name)

@@ -26,18 +26,27 @@ import os
 import re
 import zipfile
 import zlib
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.resume.checkpointing import UnreadableCheckpoint
+from tfdist.sharding.state import ShardPart
 
 FOLDER = "shards"
 _NAME = re.compile(r"ckpt-(\d+)\.rank(\d+)-of-(\d+)\.npz$")
 
-State = Iterable[tuple[int, str, int, int, np.ndarray]]
+
+class _Stored(NamedTuple):
+    """Where a part of a slot is in the shard files: its elements, its file, its member."""
+
+    start: int
+    stop: int
+    path: str
+    member: str
+
 
 # What a truncated or damaged .npz raises as it is opened or a member read: zipfile's
 # BadZipFile, zlib's error, EOFError, OSError, ValueError (its JSON index, NumPy's header),
@@ -54,16 +63,17 @@ def shard_path(directory: str, number: int, rank: int, ranks: int) -> str:
     return os.path.join(directory, FOLDER, f"ckpt-{number}.rank{rank}-of-{ranks}.npz")
 
 
-def write_shard(directory: str, number: int, rank: int, ranks: int, state: State) -> str:
-    """Writes one rank's partition: (variable, slot, start, stop, flat values) entries.
+def write_shard(directory: str, number: int, rank: int, ranks: int,
+                state: Iterable[ShardPart]) -> str:
+    """Writes one rank's partition: its parts of each slot (`ShardPart`s).
 
     Returns:
         The path written.
     """
     index, arrays = [], {}
-    for position, (variable, slot, start, stop, values) in enumerate(state):
-        index.append([variable, slot, start, stop])
-        arrays[f"a{position}"] = values
+    for position, part in enumerate(ShardPart(*part) for part in state):
+        index.append([part.variable, part.slot, part.start, part.stop])
+        arrays[f"a{position}"] = part.values
     buffer = io.BytesIO()
     np.savez(buffer, index=np.array(json.dumps(index)), **arrays)
     path = shard_path(directory, number, rank, ranks)
@@ -124,7 +134,7 @@ class ShardReader:
         if len(ranks) != 1 or sorted(found) != list(range(next(iter(ranks)))):
             raise UnreadableShards(f"checkpoint {number} lacks the shard files of some ranks "
                                    f"(found ranks {sorted(found)})")
-        self._pieces: dict[tuple[int, str], list[tuple[int, int, str, str]]] = {}
+        self._pieces: dict[tuple[int, str], list[_Stored]] = {}
         self._files = {}
         self._handles = []
         for rank, (_, path) in sorted(found.items()):
@@ -139,7 +149,7 @@ class ShardReader:
                 raise _unreadable(path, error) from None
             for position, (variable, slot, start, stop) in enumerate(index):
                 self._pieces.setdefault((variable, slot), []).append(
-                    (start, stop, path, f"a{position}"))
+                    _Stored(start, stop, path, f"a{position}"))
 
     def read(self, variable: int, slot: str, start: int, stop: int) -> np.ndarray:
         """Elements [start, stop) of slot `slot` of variable `variable`, flattened.
@@ -148,13 +158,14 @@ class ShardReader:
             ConfigError: the checkpoint does not hold all of them (another model).
         """
         out, covered = None, 0
-        for low, high, path, key in self._pieces.get((variable, slot), []):
+        for stored in self._pieces.get((variable, slot), []):
+            low, high = stored.start, stored.stop
             lo, hi = max(low, start), min(high, stop)
             if lo < hi:
                 try:
-                    values = self._files[path][key]
+                    values = self._files[stored.path][stored.member]
                 except _DAMAGED as error:
-                    raise _unreadable(path, error) from None
+                    raise _unreadable(stored.path, error) from None
                 if out is None:
                     out = np.zeros([stop - start], values.dtype)
                 out[lo - start:hi - start] = values[lo - low:hi - low]

@@ -29,10 +29,11 @@ Example:
     model.compile(optimizer, "mse")    # each rank holds 1/N of Adam's moments
 """
 
+from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding.layout import Piece, ShardLayout
-from tfdist.sharding.optimizer import (ELEMENT_WISE, ShardCollectives, check_stage,
-                                       find_sharded, sharded_optimizer)
-from tfdist.sharding.state import plain_order, state_bytes
+from tfdist.sharding.optimizer import ELEMENT_WISE, check_stage, find_sharded, sharded_optimizer
+from tfdist.sharding.state import Other, ShardPart, Slot, plain_order, state_bytes
 
-__all__ = ["ELEMENT_WISE", "Piece", "ShardCollectives", "ShardLayout", "check_stage",
-           "find_sharded", "plain_order", "sharded_optimizer", "state_bytes"]
+__all__ = ["ELEMENT_WISE", "Other", "Piece", "ShardCollectives", "ShardLayout", "ShardPart",
+           "Slot", "check_stage", "find_sharded", "plain_order", "sharded_optimizer",
+           "state_bytes"]

@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import keras
 import numpy as np
@@ -24,7 +24,8 @@ from tfdist.errors import ConfigError
 from tfdist.optimizers import recreated
 from tfdist.patches.keras_optimizer import sum_repeated_rows
 from tfdist.sharding.layout import Piece, ShardLayout
-from tfdist.sharding.state import plain_order
+from tfdist.sharding.collectives import ShardCollectives
+from tfdist.sharding.state import Other, ShardPart, Slot, plain_order
 
 # Optimizers whose update of an element depends only on that element's gradient and
 # state (and on scalars such as the step), so that a slice of a variable updates as
@@ -34,34 +35,11 @@ ELEMENT_WISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adama
                 "Lion", "Ftrl")
 
 
-class ShardCollectives:
-    """What sharding needs from a communicator; `tfdist.horovod.collectives` implements it.
+class SavedState(NamedTuple):
+    """The whole state as of the end of a fit, for `model.save()` on the chief."""
 
-    Every method runs inside the traced train step, on every rank, in the same order.
-
-    Attributes:
-        rank: This rank.
-        size: The number of ranks.
-    """
-
-    rank: int
-    size: int
-
-    def average(self, grads: list[Any]) -> list[Any]:
-        """The gradients (tensors or `tf.IndexedSlices`) averaged across ranks."""
-        raise NotImplementedError
-
-    def average_slice(self, flat: tf.Tensor) -> tf.Tensor:
-        """Rank r's equal slice of `flat` (1-D, a multiple of `size` long), averaged."""
-        raise NotImplementedError
-
-    def concatenate(self, flat: tf.Tensor) -> tf.Tensor:
-        """Every rank's `flat` (1-D, any length) concatenated in rank order."""
-        raise NotImplementedError
-
-    def sum(self, values: tf.Tensor) -> tf.Tensor:
-        """`values` summed across ranks."""
-        raise NotImplementedError
+    step: int  # `optimizer.iterations` then.
+    full: dict[tuple[int, str], np.ndarray] | None  # Every slot whole; None off the chief.
 
 
 class _Shard:
@@ -74,9 +52,9 @@ class _Shard:
         self.targets: list[Any] = []  # What the update writes, one per piece.
         self.slots: dict[tuple[int, str], Any] = {}  # (piece, slot name) -> variable.
         self.slot_names: list[str] = []
-        self.plain: list[tuple[Any, ...]] = []  # `plain_order` of the unsharded optimizer.
+        self.plain: list[Slot | Other] = []  # `plain_order` of the unsharded optimizer.
         self.recording = False
-        self.saved_state: tuple[int, Any] | None = None  # (step, whole state) on the chief.
+        self.saved_state: SavedState | None = None  # Set at the end of each fit.
         with tf.init_scope():
             self.sink = tf.Variable(0.0, trainable=False, name="tfdist_zero_sink")
             self.zero = tf.Variable(0.0, trainable=False, name="tfdist_zero")
@@ -121,8 +99,8 @@ class _ShardedMixin:
         finally:
             self._shard.recording = False
         self._shard.plain = plain_order(type(self).__mro__[2], self.get_config(), len(variables))
-        self._shard.slot_names = list(dict.fromkeys(entry[2] for entry in self._shard.plain
-                                                    if entry[0] == "slot"))
+        self._shard.slot_names = list(dict.fromkeys(entry.name for entry in self._shard.plain
+                                                    if isinstance(entry, Slot)))
 
     def add_variable_from_reference(self, reference_variable: Any, name: str | None = None,
                                     initializer: str = "zeros") -> Any:
@@ -189,7 +167,7 @@ class _ShardedMixin:
         # the whole state as of the end of this fit, in host memory (the others drop it).
         chief = self._collectives.rank == 0
         full = self.gather_full_state(keep=chief)
-        self._shard.saved_state = (int(self.iterations.numpy()), full if chief else None)
+        self._shard.saved_state = SavedState(int(self.iterations.numpy()), full if chief else None)
 
     def save_own_variables(self, store: Any) -> None:
         """Writes the whole state, as the unsharded optimizer lists it (plain Keras loads it).
@@ -198,19 +176,18 @@ class _ShardedMixin:
             ConfigError: not the chief, or the state changed since the end of the last fit.
         """
         step = int(self.iterations.numpy())
-        if not self.built or self._shard.saved_state is None or self._shard.saved_state[1] is None \
-                or self._shard.saved_state[0] != step:
+        saved = self._shard.saved_state if self.built else None
+        if saved is None or saved.full is None or saved.step != step:
             raise ConfigError(f"a zero_stage {self.zero_stage} optimizer holds 1/N of its state "
                               f"on each rank, gathered to rank 0 at the end of each fit: save "
                               f"the model on rank 0 after fit returns (checkpoints during fit: "
                               f"runner.callbacks(checkpoint_dir=...)). Received: rank "
                               f"{self._collectives.rank}, step {step}")
-        full = self._shard.saved_state[1]
         sharded = {id(v) for v in self.sharded_variables}
         others = [v for v in self.variables if id(v) not in sharded]
         for position, entry in enumerate(self._shard.plain):
-            store[str(position)] = (full[(entry[1], entry[2])] if entry[0] == "slot"
-                                    else others[entry[1]].numpy())
+            store[str(position)] = (saved.full[(entry.variable, entry.name)]
+                                    if isinstance(entry, Slot) else others[entry.index].numpy())
 
     def _stage1_gradients(self, grads: list[Any]) -> list[Any]:
         present = [i for i, grad in enumerate(grads) if grad is not None]
@@ -287,11 +264,10 @@ class _ShardedMixin:
 
     # --- the whole state, and a rank's part of it -------------------------------------
 
-    def shard_state(self) -> list[tuple[int, str, int, int, np.ndarray]]:
-        """This rank's state: (variable, slot name, start, stop, flat values) for each slot
-        of each owned piece."""
-        return [(piece.variable, name, piece.start, piece.stop,
-                 np.reshape(self._shard.slots[(i, name)].numpy(), [-1]))
+    def shard_state(self) -> list[ShardPart]:
+        """This rank's state: a `ShardPart` for each slot of each owned piece."""
+        return [ShardPart(piece.variable, name, piece.start, piece.stop,
+                          np.reshape(self._shard.slots[(i, name)].numpy(), [-1]))
                 for i, piece in enumerate(self._shard.owned) for name in self._shard.slot_names
                 if (i, name) in self._shard.slots]
 

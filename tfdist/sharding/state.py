@@ -8,22 +8,46 @@ whose per-variable slots are made with `add_variable_from_reference`.
 Example:
 
     plain_order(keras.optimizers.Adam, Adam().get_config(), count=2)
-    # [("other", 0), ("other", 1), ("slot", 0, "momentum"), ("slot", 0, "velocity"), ...]
+    # [Other(0), Other(1), Slot(0, "momentum"), Slot(0, "velocity"), Slot(1, "momentum"), ...]
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 
-def plain_order(base: type, config: dict[str, Any], count: int) -> list[tuple[Any, ...]]:
+class Slot(NamedTuple):
+    """A per-variable slot of an optimizer's state: Adam's `momentum` of variable 3."""
+
+    variable: int  # The variable's index in the optimizer's list.
+    name: str  # The slot's name (`momentum`, `velocity`).
+
+
+class Other(NamedTuple):
+    """An optimizer variable that belongs to no model variable (the step, the rate)."""
+
+    index: int  # Its place among such variables, in the optimizer's order.
+
+
+class ShardPart(NamedTuple):
+    """Part of one slot that one rank holds: elements [start, stop) of the flattened slot
+    `slot` of variable `variable`, and their values. A rank's shard file is a list of them."""
+
+    variable: int
+    slot: str
+    start: int
+    stop: int
+    values: np.ndarray
+
+
+def plain_order(base: type, config: dict[str, Any], count: int) -> list[Slot | Other]:
     """What `base` (with `config`), built unsharded on `count` variables, lists in
-    `variables`, in order: ("slot", variable index, slot name) for a per-variable slot,
-    ("other", k) for its k-th other variable (the step, the learning rate).
+    `variables`, in order: a `Slot` for each per-variable slot, an `Other` for each other
+    variable (the step, the learning rate).
 
     Args:
         base: A Keras optimizer class.
@@ -50,9 +74,9 @@ def plain_order(base: type, config: dict[str, Any], count: int) -> list[tuple[An
     order, others = [], 0
     for variable in plain.variables:
         if id(variable) in made:
-            order.append(("slot", *made[id(variable)]))
+            order.append(Slot(*made[id(variable)]))
         else:
-            order.append(("other", others))
+            order.append(Other(others))
             others += 1
     return order
 
