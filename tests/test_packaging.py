@@ -12,6 +12,10 @@ import pytest
 from tfdist.app.launch import task_output
 from tests.conftest import REPO, last_json_line, run_command
 
+# One worker runs this module: its tests share one wheel, and two builds at once in the
+# checkout's build/ folder collide ("File exists: build/bdist.../tfdist-0.1.0.dist-info").
+pytestmark = pytest.mark.xdist_group("packaging")
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
