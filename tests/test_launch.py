@@ -302,3 +302,24 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_a_held_port_is_skipped_by_another_launcher_yet_a_server_can_listen_on_it():
+    # Between the pick and the task's bind, another launcher's random draw could land on
+    # the same port: a parameter server then failed with "Could not start gRPC server"
+    # in a full run. The launcher now holds its ports until the tasks bind them.
+    import socket
+
+    from tfdist.app.launch import free_ports, reserved_ports
+
+    with reserved_ports(3) as held:
+        with socket.socket() as other:   # another launcher's pick: a plain bind
+            for port in held:
+                with pytest.raises(OSError):
+                    other.bind(("127.0.0.1", port))
+        assert not set(held) & set(free_ports(200))
+        for port in held:   # the task's server binds as gRPC does: SO_REUSEADDR, on all addresses
+            with socket.socket() as server:
+                server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                server.bind(("0.0.0.0", port))
+                server.listen()

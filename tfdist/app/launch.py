@@ -2,7 +2,8 @@
 
 `tfdist launch -n N [--ps M] [--max_restarts R] -- CMD ...` starts N workers
 (and, with `--ps`, M parameter servers and a chief that coordinates them) on
-free loopback ports, each with its TF_CONFIG. It is a tool for tests, demos and
+free loopback ports (held by the launcher until the tasks' servers bind them),
+each with its TF_CONFIG. It is a tool for tests, demos and
 single-host runs, not a cluster manager.
 
 - Every output line is prefixed with its task: `[worker:1] Epoch 1/5`. Each task
@@ -51,7 +52,7 @@ import sys
 import termios
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Iterator, Sequence
 
 from tfdist.app.console import Console
 from tfdist.app.interruption import Interruption, interruption_handled
@@ -97,15 +98,33 @@ def task_output(text: str, task: str) -> list[str]:
 def cluster_spec(num_workers: int, num_ps: int = 0, host: str = LOOPBACK) -> dict[str, list[str]]:
     """A cluster on free ports of `host`: N workers, or a chief, N workers and M ps.
 
-    A port is free when it is picked; another program could take it before the
-    task binds it. `free_ports` picks where that is unlikely.
+    The ports are free when picked, not held: a caller that starts the tasks itself
+    and cannot afford a port taken meanwhile uses `reserved_cluster`.
     """
-    def addresses(count: int) -> list[str]:
-        return [f"{host}:{port}" for port in free_ports(count, host)]
+    with reserved_cluster(num_workers, num_ps, host) as cluster:
+        return cluster
 
-    if num_ps:
-        return {"chief": addresses(1), "worker": addresses(num_workers), "ps": addresses(num_ps)}
-    return {"worker": addresses(num_workers)}
+
+@contextlib.contextmanager
+def reserved_cluster(num_workers: int, num_ps: int = 0,
+                     host: str = LOOPBACK) -> Iterator[dict[str, list[str]]]:
+    """`cluster_spec`, with its ports held until the block ends (see `reserved_ports`).
+
+    Args:
+        num_workers: Workers (>= 1).
+        num_ps: Parameter servers, with a chief to coordinate them; or 0.
+        host: The address the tasks listen on.
+
+    Example:
+
+        with reserved_cluster(2, num_ps=1) as cluster:
+            ...   # start the tasks, whose servers bind cluster's ports
+    """
+    roles = {"chief": 1, "worker": num_workers, "ps": num_ps} if num_ps else {
+        "worker": num_workers}
+    with reserved_ports(sum(roles.values()), host) as ports:
+        addresses = iter(f"{host}:{port}" for port in ports)
+        yield {role: [next(addresses) for _ in range(count)] for role, count in roles.items()}
 
 
 # Below the kernel's ephemeral range, above the ports services usually own.
@@ -113,15 +132,7 @@ _LOWEST_PORT = 20000
 
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """`count` distinct ports that nothing listens on now, drawn at random below
-    the kernel's ephemeral range.
-
-    The kernel's own choice (`bind(0)`) comes from the ephemeral range, the one
-    it also gives every outgoing connection its local port from: between the
-    pick and the task's bind, any gRPC channel on the machine can take the port
-    (a parameter server then fails with "Could not start gRPC server", and the
-    chief reaches another cluster's task there). Outgoing connections never
-    take a port below the range; a random draw keeps two launchers apart.
+    """`count` distinct ports that nothing holds now (`reserved_ports`, released at once).
 
     Args:
         count: How many ports.
@@ -129,6 +140,39 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
 
     Example:
         chief, worker = free_ports(2)   # e.g. [24811, 31207]
+    """
+    with reserved_ports(count, host) as ports:
+        return ports
+
+
+@contextlib.contextmanager
+def reserved_ports(count: int, host: str = LOOPBACK) -> Iterator[list[int]]:
+    """`count` distinct free ports, drawn at random below the kernel's ephemeral
+    range and held until the block ends, while the tasks' servers bind them.
+
+    Why below the range: the kernel's own choice (`bind(0)`) comes from the
+    ephemeral range, the one it also gives every outgoing connection its local
+    port from, so any gRPC channel on the machine could take the port before the
+    task binds it (a parameter server then failed with "Could not start gRPC
+    server", and the chief reached another cluster's task there).
+
+    Why held: between the pick and the task's bind (seconds: the task imports
+    TensorFlow first), another launcher's random draw could pick the same port.
+    Each port stays bound by a socket that never listens. It was bound alone (no
+    SO_REUSEADDR), so a port another launcher holds fails this one's bind and is
+    skipped; SO_REUSEADDR set after the bind then lets the task's server (gRPC
+    sets it too) bind and listen on the port while it is held.
+
+    Args:
+        count: How many ports.
+        host: The address they must be free on.
+
+    Raises:
+        ConfigError: fewer than `count` free ports were found.
+
+    Example:
+        with reserved_ports(2) as (chief, worker):   # e.g. 24811, 31207
+            ...
     """
     low, _ = ephemeral_port_range()
     draw = random.SystemRandom()
@@ -143,12 +187,13 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
                 sock.bind((host, port))
             except OSError:
                 continue
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             ports.append(sock.getsockname()[1])
         if len(ports) < count:
             raise ConfigError(f"tfdist launch found {len(ports)} of {count} free ports on "
                               f"{host} between {_LOWEST_PORT} and {low}; free some, or run "
                               f"fewer tasks. Received: {count} tasks")
-        return ports
+        yield ports
 
 
 def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restarts: int = 0, *,
@@ -194,8 +239,9 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
         for attempt in range(max_restarts + 1):
             if attempt:
                 _say(output, f"restarting the group (restart {attempt} of {max_restarts})")
-            status = _Group(list(command), cluster_spec(num_workers, num_ps), output,
-                            grace_seconds, interrupted, hide_tensorflow_log).run()
+            with reserved_cluster(num_workers, num_ps) as cluster:
+                status = _Group(list(command), cluster, output, grace_seconds, interrupted,
+                                hide_tensorflow_log).run()
             if status == 0 or interrupted.is_set():
                 return status
     return status
