@@ -109,9 +109,10 @@ def plot_all(results: dict[str, dict], plots_dir: str) -> dict[str, str]:
                            for key in labels])
         state.set(ylabel="optimizer MB per rank", xlabel="ranks x zero_stage",
                   title="Optimizer state (Adam, 50 M parameters)")
-        rss.bar(labels, [max(r["maxrss_mb"] for r in settings[key]) for key in labels])
-        rss.set(ylabel="peak resident MB per rank", xlabel="ranks x zero_stage",
-                title="Peak memory")
+        rss.bar(labels, [max(r["steps_peak_bytes"] for r in settings[key]) / 2**20
+                         for key in labels])
+        rss.set(ylabel="allocator peak MB per rank", xlabel="ranks x zero_stage",
+                title="Peak memory during the steps")
         save("zero", figure)
     if ok("pipeline"):
         result = results["pipeline"]

@@ -61,7 +61,7 @@ HEADLINES = {
     "parameter_server": ("w2_spe100_ratio",),
     "checkpoint": ("ratio_one_device",),
     "projection": ("resnet50_128_workers_25gbit", "resnet50_128_workers_25gbit_k4"),
-    "zero": ("state_4r_s2", "time_4r_s2"),
+    "zero": ("state_4r_s2", "saved_steps_4r_s2", "time_4r_s2"),
     "pipeline": ("speedup_m4_of_ideal", "tensor_parallel_time_ratio"),
 }
 

@@ -90,6 +90,8 @@ def check_figures(figures, keys):
     pytest.param("checkpoint.py", ["--rounds", "3", "--steps", "2"],
                  {"ratio_one_device", "ratio_mirrored", "save_ms", "horovod_check_us"},
                  marks=needs_horovod),
+    pytest.param("zero.py", ["--ranks", "2", "--steps", "1", "--warmup", "1", "--units", "64"],
+                 {"state_2r_s1", "state_2r_s2", "time_2r_s1", "time_2r_s2"}, marks=needs_horovod),
     ("pipeline.py", ["--units", "64", "--batch", "32", "--repeats", "2"],
      {"speedup_m4_of_ideal", "tensor_parallel_time_ratio", "stage_share_CPU:0"}),
     ("gpu.py", ["--cpu", "--model", "small", "--only", "1", "--image", "32", "--batch", "4",

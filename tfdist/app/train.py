@@ -22,6 +22,7 @@ from tfdist.callbacks import Throughput
 from tfdist.config import Config, OptimizerName, TrainConfig
 from tfdist.errors import ConfigError
 from tfdist.files import atomic_write_text, writable_folder
+from tfdist.memory import PeakMemory
 from tfdist.parallel import Pipeline
 from tfdist.runner import Runner
 from tfdist.sharding import state_bytes
@@ -102,7 +103,8 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
         model.compile(optimizer=runner.optimizer(make_optimizer(job)),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     throughput = Throughput(job.global_batch_size)
-    callbacks = [*runner.callbacks(), throughput]
+    peak_memory = PeakMemory()
+    callbacks = [*runner.callbacks(), throughput, peak_memory]
     if job.tensorboard:
         callbacks.append(keras.callbacks.TensorBoard(
             runner.writable_dir(os.path.join(job.output_dir, "tensorboard"))))
@@ -123,6 +125,9 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
                            "balance": model.balance} if runner.model_devices else None,
         # This process's optimizer state (its partition under zero_stage 1 or 2).
         "optimizer_state_bytes": state_bytes(model.optimizer),
+        # This process's allocator peak per device, over the process and during fit (None
+        # on a CPU unless TF_CPU_ALLOCATOR_USE_BFC=true was set before TensorFlow started).
+        "allocator_peak_bytes": peak_memory.to_dict(),
         "epochs": job.epochs,
         "global_batch_size": job.global_batch_size,  # one forward pass: the micro-batch
         "effective_batch_size": job.global_batch_size * runner.config.accumulation_steps,
