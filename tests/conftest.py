@@ -58,8 +58,9 @@ def pytest_addoption(parser):
                      help="fail, rather than skip, tests whose mpirun or Horovod is missing")
     parser.addoption("--cpu-report", metavar="FILE",
                      help="append each test's CPU seconds (its own process and every process "
-                          "it started and waited for) and wall seconds to FILE, one JSON line "
-                          "per test; where the suite's time goes on a CPU-bound machine")
+                          "it started and waited for), wall seconds, start time and xdist "
+                          "worker to FILE, one JSON line per test; where the suite's time goes "
+                          "on a CPU-bound machine")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -75,10 +76,13 @@ def pytest_runtest_protocol(item, nextitem):
             resource.getrusage(resource.RUSAGE_SELF),
             resource.getrusage(resource.RUSAGE_CHILDREN)))
 
-    cpu_before, wall_before = cpu(), time.monotonic()
+    cpu_before, wall_before, started = cpu(), time.monotonic(), time.time()
     yield
+    # The worker and the start time show the run's schedule: a worker idle at the end
+    # while another runs a long group is time the order could save.
     line = {"test": item.nodeid, "cpu_s": round(cpu() - cpu_before, 2),
-            "wall_s": round(time.monotonic() - wall_before, 2)}
+            "wall_s": round(time.monotonic() - wall_before, 2), "started": round(started, 1),
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
     with open(report, "a") as stream:  # One short write per line: workers do not interleave.
         stream.write(json.dumps(line) + "\n")
 
