@@ -1,7 +1,7 @@
 """Sharded training state: optimizer bytes and peak memory per rank, and step time, by zero_stage.
 
 A 50.4 M-parameter MLP (13 Dense layers, 12 of them 2048 x 2048) trains with Adam under
-`horovod`, zero_stage 0, 1 and 2, on 2 and on 4 local ranks (mpirun), each setting in
+`horovod`, zero_stage 0, 1, 2 and 3, on 2 and on 4 local ranks (mpirun), each setting in
 fresh processes. Every rank reports its optimizer's variable bytes
 (`model.optimizer.variables`), its step times (the median after the warm-up steps), and
 its peak memory as TensorFlow's own allocator counts it (`tfdist.memory`; the ranks run
@@ -17,16 +17,18 @@ between ranks of one run.
 
 What each stage should save per rank against stage 0, with Adam in float32 and P
 parameters on N ranks (DeepSpeed's accounting): stage 1 the optimizer's moments,
-8P(1 - 1/N); stage 2 also the gradients, 12P(1 - 1/N). The figures are bytes saved over
-that ideal (target 0.8). The stages of one rank count run back to back; each step time
-is divided by stage 0's of the same rank count.
+8P(1 - 1/N); stage 2 also the gradients, 12P(1 - 1/N); stage 3 also the weights,
+16P(1 - 1/N). The figures are bytes saved over that ideal (target 0.8). The stages of
+one rank count run back to back; each step time is divided by stage 0's of the same rank
+count.
 
 Then a projection to a 7 B-parameter model on 8 to 64 ranks, beside DeepSpeed's
 published formula (mixed-precision Adam: 16 bytes per parameter unsharded, 4 + 12/N at
-stage 1, 2 + 14/N at stage 2): tfdist keeps float32 weights and computes float32
-gradients in full on every rank (Keras's train step computes every gradient before
-the optimizer runs), so its bytes per parameter are 8 + (optimizer bytes)/N, the
-optimizer bytes per parameter measured here.
+stage 1, 2 + 14/N at stage 2, 16/N at stage 3): at stages 1 and 2 tfdist keeps float32
+weights and computes float32 gradients in full on every rank (Keras's train step
+computes every gradient before the optimizer runs), so its bytes per parameter are
+8 + (optimizer bytes)/N, the optimizer bytes per parameter measured here; at stage 3
+each layer's gathered weights live until its backward, so 4 + (8 + optimizer bytes)/N.
 
     .venv/bin/python benchmarks/zero.py [--ranks 2 4] [--steps 4]
 
@@ -52,8 +54,11 @@ sys.path.insert(0, REPO)
 UNITS, LAYERS = 2048, 13  # 50.4 M parameters
 # What each stage should save per parameter and rank, times (1 - 1/N): Adam's two float32
 # moments at stage 1, and the float32 gradient too at stage 2.
-IDEAL_BYTES_PER_PARAMETER = {1: 8, 2: 12}
-DEEPSPEED = {0: lambda n: 16.0, 1: lambda n: 4 + 12 / n, 2: lambda n: 2 + 14 / n}
+IDEAL_BYTES_PER_PARAMETER = {1: 8, 2: 12, 3: 16}
+DEEPSPEED = {0: lambda n: 16.0, 1: lambda n: 4 + 12 / n, 2: lambda n: 2 + 14 / n,
+             3: lambda n: 16 / n}
+# Step time over stage 0's: the issue's bounds.
+TIME_TARGETS = {1: "<= 1.25", 2: "<= 1.1", 3: "<= 1.3"}
 PROJECTED_PARAMETERS = 7e9
 PROJECTED_RANKS = (8, 16, 32, 64)
 
@@ -146,7 +151,7 @@ def main() -> None:
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(2**20)
     for ranks in args.ranks:
-        for stage in (0, 1, 2):
+        for stage in (0, 1, 2, 3):
             settings[f"{ranks}x{stage}"] = run_children(
                 [*mpirun(ranks), sys.executable, os.path.abspath(__file__), f"--stage={stage}",
                  f"--steps={args.steps}", f"--warmup={args.warmup}",
@@ -165,9 +170,9 @@ def main() -> None:
         full = settings[f"{ranks}x0"]
         full_state = max(r["state_bytes"] for r in full)
         largest_state = 2 * full[0]["largest_variable_bytes"]  # Adam: 2 slots per variable
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             row = settings[f"{ranks}x{stage}"]
-            bound = full_state / ranks * (1.01 if stage == 2 else 1) + (
+            bound = full_state / ranks * (1.01 if stage >= 2 else 1) + (
                 largest_state if stage == 1 else 0)
             figures.append(figure(
                 f"state_{ranks}r_s{stage}", f"{ranks} ranks, stage {stage}: optimizer bytes per "
@@ -191,14 +196,20 @@ def main() -> None:
             figures.append(figure(
                 f"time_{ranks}r_s{stage}", f"{ranks} ranks, stage {stage}: step time / stage 0's",
                 [r["step_seconds"] / f["step_seconds"] for f, r in zip(full, row)],
-                target="<= 1.05" if stage == 2 else "<= 1.25"))
+                target=TIME_TARGETS[stage]))
     # Optimizer bytes per parameter, unsharded, as measured (Adam: 8, with the step and rate).
     optimizer_per_parameter = max(r["state_bytes"] for r in settings[f"{args.ranks[0]}x0"]) \
         / parameters
+
+    def tfdist_bytes_per_parameter(stage: int, n: int) -> float:
+        if stage == 3:
+            return 4 + (8 + optimizer_per_parameter) / n
+        return 8 + optimizer_per_parameter / (n if stage else 1)
+
     projection = {stage: {n: {"deepspeed_gb": DEEPSPEED[stage](n) * PROJECTED_PARAMETERS / 1e9,
-                              "tfdist_gb": (8 + optimizer_per_parameter / (n if stage else 1))
+                              "tfdist_gb": tfdist_bytes_per_parameter(stage, n)
                               * PROJECTED_PARAMETERS / 1e9}
-                          for n in PROJECTED_RANKS} for stage in (0, 1, 2)}
+                          for n in PROJECTED_RANKS} for stage in (0, 1, 2, 3)}
     for stage, row in projection.items():
         print(f"7B, stage {stage}: " + ", ".join(
             f"{n} ranks: DeepSpeed {v['deepspeed_gb']:.0f} GB, tfdist {v['tfdist_gb']:.0f} GB"

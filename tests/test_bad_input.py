@@ -147,9 +147,9 @@ CASES = [
          "checkpoint_dir /proc/nope is not a folder this process can write in"),
     Case("a model made outside runner.scope() (Python only)", None,
          fit_model_made_outside_the_scope, "the model was created outside runner.scope()"),
-    Case("zero_stage 3", ["--zero_stage=3"],
-         lambda d: tfdist.load_config(overrides={"zero_stage": 3}),
-         "zero_stage must be 0, 1 or 2"),
+    Case("zero_stage 4", ["--zero_stage=4"],
+         lambda d: tfdist.load_config(overrides={"zero_stage": 4}),
+         "zero_stage must be 0, 1, 2 or 3"),
     Case("zero_stage under mirrored", ["--strategy=mirrored", "--zero_stage=1"],
          lambda d: runner({"strategy": "mirrored", "zero_stage": 1}),
          "zero_stage 1 cannot run under strategy mirrored: Keras's optimizer under "

@@ -129,7 +129,7 @@ def test_env_without_json_is_a_short_summary_for_a_person(tmp_path):
     assert "TensorFlow 2.21" in lines[0]
     assert "cluster     TF_CONFIG: worker:1 of 2 tasks" in lines
     assert "auto        strategy multi_worker (TF_CONFIG names 2 workers)" in lines
-    assert ("zero_stage  1 and 2 under one_device, horovod (one_device: nothing to shard); "
+    assert ("zero_stage  1, 2 and 3 under one_device, horovod (one_device: nothing to shard); "
             "refused by the others") in lines
     assert ("parallel    model_parallel.devices > 1 under one_device, horovod; refused by the "
             "others") in lines

@@ -26,7 +26,7 @@ def covered(layout, ranks):
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_element_is_updated_by_exactly_one_rank(stage, ranks):
     layout = ShardLayout([320, 1024, 16, 48, 3], ranks, stage)
     assert all(np.all(count == 1) for count in covered(layout, ranks))
@@ -52,16 +52,27 @@ def test_stage_1_deals_whole_variables_largest_first_to_the_least_loaded():
     assert [p.variable for p in ShardLayout(sizes, 2, 1).pieces(0)] == [1]
 
 
+def test_stage_3_cuts_each_variable_alone_into_equal_slices():
+    layout = ShardLayout([320, 1024, 16, 48, 3], 3, 3)
+    assert layout.widths == [107, 342, 6, 16, 1]  # ceil(size / 3): the stored slices
+    assert [(p.variable, p.start, p.stop) for p in layout.pieces(2)] == [
+        (0, 214, 320), (1, 684, 1024), (2, 12, 16), (3, 32, 48), (4, 2, 3)]
+    # Every rank a piece of every variable (empty where the variable is too small).
+    assert [(p.start, p.stop) for p in ShardLayout([1], 3, 3).pieces(2)] == [(1, 1)]
+
+
 def test_a_rank_can_own_nothing():
     assert ShardLayout([24, 3], 3, 1).pieces(2) == []          # two variables, three ranks
     assert ShardLayout([1, 1], 3, 2).pieces(2) == []           # two elements, three ranks
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("name", ["Lamb", "Adafactor", "Muon"])
-def test_stage_2_refuses_optimizers_that_are_not_element_wise(name):
+def test_stages_2_and_3_refuse_optimizers_that_are_not_element_wise(name, stage):
     optimizer = getattr(keras.optimizers, name)(0.01)
-    with pytest.raises(tfdist.ConfigError, match="use zero_stage 1"):
-        check_stage(2, optimizer)
+    with pytest.raises(tfdist.ConfigError, match=f"zero_stage {stage} updates slices.*use "
+                                                 f"zero_stage 1"):
+        check_stage(stage, optimizer)
     check_stage(1, optimizer)  # Whole variables: any optimizer.
 
 
@@ -78,10 +89,11 @@ def test_a_subclass_that_may_change_the_update_is_refused_at_stage_2():
         check_stage(2, MyAdam(0.01))
 
 
-def test_zero_stage_is_0_1_or_2():
+def test_zero_stage_is_0_1_2_or_3():
     assert tfdist.load_config().zero_stage == 0
-    with pytest.raises(tfdist.ConfigError, match="zero_stage must be 0, 1 or 2"):
-        tfdist.load_config(overrides={"zero_stage": 3})
+    assert tfdist.load_config(overrides={"zero_stage": 3}).zero_stage == 3
+    with pytest.raises(tfdist.ConfigError, match="zero_stage must be 0, 1, 2 or 3"):
+        tfdist.load_config(overrides={"zero_stage": 4})
 
 
 @pytest.mark.parametrize("strategy", ["mirrored", "multi_worker", "parameter_server", "tpu"])

@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.optimizers import WrappingOptimizer
+from tfdist.sharding.weights import gradient_shape
 
 
 class GradientAccumulator:
@@ -66,7 +67,7 @@ class GradientAccumulator:
                 whether it is one of its tracked (saved) variables.
         """
         self.accumulators = [
-            make_variable(variable.shape, "float32", "sum",
+            make_variable(gradient_shape(variable), "float32", "sum",
                           f"{getattr(variable, 'path', variable.name)}_accumulated"
                           .replace("/", "_").replace(":", "_"))
             for variable in var_list]

@@ -101,6 +101,7 @@ class ZeroStage(enum.IntEnum):
     NONE = 0  # Every rank holds all of the optimizer state.
     OPTIMIZER_STATE = 1  # Each rank holds 1/N of it: its variables'.
     GRADIENTS = 2  # Also reduces only its slice of the gradients (reduce-scatter).
+    PARAMETERS = 3  # Also stores only its slice of each weight, gathered where it is read.
 
     def __str__(self) -> str:
         return str(self.value)
@@ -108,8 +109,8 @@ class ZeroStage(enum.IntEnum):
 
 # What a number-valued choice must be, for its one-line error.
 _NUMBERED: dict[type[enum.IntEnum], str] = {
-    ZeroStage: "0, 1 or 2 (0: no sharding; 1: optimizer state; 2: optimizer state and "
-               "gradients)",
+    ZeroStage: "0, 1, 2 or 3 (0: no sharding; 1: optimizer state; 2: optimizer state and "
+               "gradients; 3: optimizer state, gradients and weights)",
 }
 
 

@@ -287,8 +287,9 @@ class Config:
             `mixed_bfloat16` on TPU, `float32` elsewhere.
         accumulation_steps: Micro-batches whose gradients make one optimizer update.
         zero_stage: Sharded training state (ZeRO): 0 (every rank holds all of it), 1
-            (each rank holds the optimizer state of its share of the variables) or 2
-            (also only its slice of the averaged gradients); see `tfdist.sharding`.
+            (each rank holds the optimizer state of its share of the variables), 2
+            (also only its slice of the averaged gradients) or 3 (also only its slice
+            of each weight, from the variable's creation); see `tfdist.sharding`.
         seed: Seeds Python, NumPy and TensorFlow when set, so runs repeat.
         one_device: The `one_device` strategy's options.
         mirrored: The `mirrored` strategy's options.
@@ -324,7 +325,8 @@ class Config:
         ZeroStage.NONE,
         "Sharded training state (ZeRO), under horovod: 0 every rank holds all of the "
         "optimizer state; 1 each holds 1/N of it (its variables'); 2 also receives only its "
-        "slice of the averaged gradients (element-wise optimizers: SGD, Adam, AdamW, ...).")
+        "slice of the averaged gradients (element-wise optimizers: SGD, Adam, AdamW, ...); 3 "
+        "also stores only its slice of each weight (build the model in runner.scope()).")
     seed: int | None = _field(None, "Seed for Python, NumPy and TensorFlow. Unset: not seeded.",
                               bound=_at_least(0, "a non-negative integer, or unset"))
     one_device: OneDeviceConfig = _field(OneDeviceConfig(), "Options of one_device.")

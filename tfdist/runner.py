@@ -172,7 +172,8 @@ class Runner:
 
         placement = (use_devices(self.model_devices, self.config.model_parallel.micro_batches)
                      if self.model_devices else contextlib.nullcontext())
-        with self.precision.applied(), self.strategy.scope(), placement:
+        with (self.precision.applied(), self.strategy.scope(), placement,
+              self._adapter.creation_scope()):
             yield
 
     def optimizer(self, optimizer: Any) -> Any:

@@ -1,7 +1,8 @@
 """Models with two Embeddings (two sparse gradients every step) equal one device, on real
 ranks: tfdist's own pair and keras-hub's BERT (a token, a segment and a position
-embedding), under horovod at zero_stage 0, 1 and 2 with and without accumulation, and
-under mirrored and multi_worker.
+embedding), under horovod at zero_stage 0, 1, 2 and 3 with and without accumulation, and
+under mirrored and multi_worker; and keras-hub's GPT-2 (a tied embedding, read twice a
+step) at zero_stage 3.
 
 Every collective a step issues goes in one order on every rank (tfdist.horovod.ordering):
 without it, zero_stage 1 on BERT waited for ever, each rank in the other's allgather. The
@@ -31,7 +32,10 @@ import embeddings_training as job  # noqa: E402
 
 HOROVOD_VARIANTS = {f"s{stage}_acc{accumulation}": [f"--stage={stage}",
                                                     f"--accumulation={accumulation}"]
-                    for stage in (0, 1, 2) for accumulation in (1, 2)}
+                    for stage in (0, 1, 2, 3) for accumulation in (1, 2)}
+# GPT-2 at stage 3 only: its tied embedding is gathered twice a step, and its gradient is
+# the sum of both reads' before the reduce-scatter.
+GPT2_VARIANTS = {name: args for name, args in HOROVOD_VARIANTS.items() if name.startswith("s3")}
 
 
 def weights_of(folder, rank):
@@ -60,16 +64,25 @@ def check(folder, kind, ranks):
         assert difference < TOLERANCE, (folder.name, rank, difference)
 
 
+def launch_variants(kind, variants, tmp_path_factory):
+    """`variants` of model `kind`, in one `mpirun -np 2` launch: the folder they wrote."""
+    out = tmp_path_factory.mktemp(f"two_embeddings_{kind}")
+    arguments = {name: [f"--model={kind}", *args] for name, args in variants.items()}
+    result = run_command(mpirun(sys.executable, SCRIPT, str(out), "--variants",
+                                json.dumps(arguments)), cwd=out, timeout=LAUNCH_BOUND_SECONDS)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return out
+
+
 @pytest.fixture(scope="module", params=["pair", "bert"])
 def horovod_runs(request, tmp_path_factory):
-    """Every horovod variant of one model, in one `mpirun -np 2` launch."""
-    out = tmp_path_factory.mktemp(f"two_embeddings_{request.param}")
-    variants = {name: [f"--model={request.param}", *args]
-                for name, args in HOROVOD_VARIANTS.items()}
-    result = run_command(mpirun(sys.executable, SCRIPT, str(out), "--variants",
-                                json.dumps(variants)), cwd=out, timeout=LAUNCH_BOUND_SECONDS)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    return request.param, out
+    """Every horovod variant of one model, in one launch."""
+    return request.param, launch_variants(request.param, HOROVOD_VARIANTS, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gpt2_runs(tmp_path_factory):
+    return launch_variants("gpt2", GPT2_VARIANTS, tmp_path_factory)
 
 
 @pytest.mark.requires_mpi
@@ -78,6 +91,13 @@ def horovod_runs(request, tmp_path_factory):
 def test_horovod_equals_one_device(horovod_runs, variant):
     kind, out = horovod_runs
     check(out / variant, kind, 2)
+
+
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.parametrize("variant", sorted(GPT2_VARIANTS))
+def test_gpt2_with_its_tied_embedding_equals_one_device_at_stage_3(gpt2_runs, variant):
+    check(gpt2_runs / variant, "gpt2", 2)
 
 
 @pytest.mark.parametrize("kind", ["pair", "bert"])

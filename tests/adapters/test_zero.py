@@ -1,15 +1,17 @@
-"""Sharded training state (zero_stage 1 and 2) under Keras 3 model.fit, with real ranks.
+"""Sharded training state (zero_stage 1, 2 and 3) under Keras 3 model.fit, with real ranks.
 
 Every rank's weights equal one device's exact update on the same global batches
-(1e-5), on 2 and on 3 ranks; each rank holds its share of the optimizer state; a
-SIGKILL and a resume equal the uninterrupted run; a checkpoint of 2 ranks resumes on 3
-and one of 3 on 2; `model.save` writes the whole state, which plain Keras loads.
+(1e-5), on 2 and on 3 ranks; each rank holds its share of the optimizer state (and at
+stage 3 of the weights); a SIGKILL and a resume equal the uninterrupted run; a
+checkpoint of 2 ranks resumes on 3 and one of 3 on 2; `model.save` writes the whole
+state, which plain Keras loads.
 
 Three launches make every run: each trains its variants in turn (`--variants`), since
 starting TensorFlow and Horovod costs a launch more than one of these small runs does.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -25,6 +27,8 @@ pytestmark = [pytest.mark.xdist_group("adapters_zero"), pytest.mark.requires_mpi
 
 SCRIPT = str(REPO / "tests" / "scripts" / "zero_training.py")
 TOLERANCE = 1e-5
+# A hang bound, not a timing: a launch trains up to 24 small variants in turn.
+LAUNCH_BOUND_SECONDS = 600
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 import zero_training as job  # noqa: E402
 
@@ -36,15 +40,22 @@ EQUIVALENT = {
     "s2_adamw": (["--stage=2", "--optimizer=adamw"], "adamw"),
     "s1_sgd": (["--stage=1", "--optimizer=sgd_momentum"], "sgd_momentum"),
     "s2_sgd": (["--stage=2", "--optimizer=sgd_momentum"], "sgd_momentum"),
+    # Stage 3: the weights themselves stored as slices, gathered where each layer reads them.
+    "s3_adam_clip": (["--stage=3", "--optimizer=adam_clip"], "adam_clip"),
+    "s3_adamw": (["--stage=3", "--optimizer=adamw"], "adamw"),
+    "s3_sgd": (["--stage=3", "--optimizer=sgd_momentum"], "sgd_momentum"),
 }
 EQUIVALENT.update({
     # Micro-batches of half the global batch, 2 per update: one device at the whole batch.
     "s1_accumulate": (["--stage=1", "--optimizer=adam_clip", "--accumulation=2"], "adam_clip"),
     "s2_accumulate": (["--stage=2", "--optimizer=adam_clip", "--accumulation=2"], "adam_clip"),
+    "s3_accumulate": (["--stage=3", "--optimizer=adam_clip", "--accumulation=2"], "adam_clip"),
 })
 ONLY_ON_2 = {
     "s2_clipnorm": (["--stage=2", "--optimizer=adam_clipnorm"], "adam_clipnorm"),
     "s2_ema": (["--stage=2", "--optimizer=adam_ema"], "adam_ema"),
+    "s3_clipnorm": (["--stage=3", "--optimizer=adam_clipnorm"], "adam_clipnorm"),
+    "s3_ema": (["--stage=3", "--optimizer=adam_ema"], "adam_ema"),
     "s1_lamb": (["--stage=1", "--optimizer=lamb"], "lamb"),
     # A model with no keras.Input, built on its first batch in fit, each rank from its own
     # seed: the sharded optimizer builds on variables that did not exist at compile.
@@ -53,6 +64,7 @@ ONLY_ON_2 = {
 }
 FP16_INF = (["--stage=2", "--optimizer=adam", "--model=dense", "--epochs=1",
              "--precision=mixed_float16", "--inf_at_step=3"],)
+FP16_INF_S3 = (["--stage=3", *FP16_INF[0][1:]],)
 ONLY_ON_3 = {
     # The Dense model has 2 variables: rank 2 owns none at stage 1.
     "s1_owns_nothing": (["--stage=1", "--optimizer=adam", "--model=dense"], "adam", "dense"),
@@ -72,18 +84,26 @@ def launch(out, variants, processes, expect_success=True):
     arguments = {name: args for name, (args, *_) in variants.items()}
     result = run_command(mpirun(sys.executable, SCRIPT, str(out), "--variants",
                                 json.dumps(arguments), processes=processes),
-                         cwd=out, timeout=300)
+                         cwd=out, timeout=LAUNCH_BOUND_SECONDS)
     if expect_success:
         assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     return result
 
 
-def killed_run(out):
-    """A stage-2 run whose checkpoints are at steps 4, 6 and 8 (6 steps an epoch), and whose
-    rank 1 is SIGKILLed after step 9, in epoch 2: (its arguments, the arguments that resume it)."""
-    common = ["--stage=2", "--optimizer=adam_clip", f"--checkpoint_dir={out / 'killed'}",
+def killed_run(out, stage=2):
+    """A run whose checkpoints are at steps 4, 6 and 8 (6 steps an epoch), and whose rank 1
+    is SIGKILLed after step 9, in epoch 2: (its arguments, the arguments that resume it)."""
+    folder = out / ("killed" if stage == 2 else f"killed_s{stage}")
+    common = [f"--stage={stage}", "--optimizer=adam_clip", f"--checkpoint_dir={folder}",
               "--save_every_steps=4"]
     return common + ["--kill_at_step=9"], common
+
+
+def checkpointed(out, name, stage):
+    """A run of epoch 1 (6 steps) that checkpoints at its end into out/<name>_checkpoints,
+    for another rank count or stage to resume."""
+    return ([f"--stage={stage}", "--optimizer=adam_clip", "--epochs=1",
+             f"--checkpoint_dir={out / (name + '_checkpoints')}"],)
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +113,12 @@ def two(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_2")
     killed = launch(out, {**EQUIVALENT, **ONLY_ON_2,
                           "s2_save": (["--stage=2", "--optimizer=adam_clip", "--save_model"],),
-                          "fp16_inf": FP16_INF,
+                          "s3_save": (["--stage=3", "--optimizer=adam_clip", "--save_model"],),
+                          "fp16_inf": FP16_INF, "fp16_inf_s3": FP16_INF_S3,
                           "to_3": (["--stage=2", "--optimizer=adam_clip", "--epochs=1",
                                     f"--checkpoint_dir={out / 'to_3_checkpoints'}"],),
+                          "s3_to_3": checkpointed(out, "s3_to_3", 3),
+                          "s2_to_s3": checkpointed(out, "s2_to_s3", 2),
                           "killed": (killed_run(out)[0],)}, 2, expect_success=False)
     assert killed.returncode != 0
     assert (out / "to_3" / "rank1.json").exists(), (killed.stdout + killed.stderr)[-3000:]
@@ -107,25 +130,42 @@ def two(tmp_path_factory):
 def three(two, tmp_path_factory):
     """The 3-rank runs, a resume of the 2-rank checkpoint, and a checkpoint for 2 ranks."""
     out = tmp_path_factory.mktemp("zero_3")
-    launch(out, {**EQUIVALENT, **ONLY_ON_3, "fp16_inf": FP16_INF,
+    launch(out, {**EQUIVALENT, **ONLY_ON_3, "fp16_inf": FP16_INF, "fp16_inf_s3": FP16_INF_S3,
                  "from_2": (["--stage=2", "--optimizer=adam_clip",
                              f"--checkpoint_dir={two / 'to_3_checkpoints'}"],),
+                 # Stage 3 from 2 ranks' stage-3 checkpoint, and from a stage-2 one.
+                 "s3_from_2": (["--stage=3", "--optimizer=adam_clip",
+                                f"--checkpoint_dir={two / 's3_to_3_checkpoints'}"],),
+                 "s3_from_s2": (["--stage=3", "--optimizer=adam_clip",
+                                 f"--checkpoint_dir={two / 's2_to_s3_checkpoints'}"],),
                  "to_2": (["--stage=1", "--optimizer=adam_clip", "--epochs=1",
                            f"--checkpoint_dir={out / 'to_2_checkpoints'}"],)}, 3)
     return out
 
 
 @pytest.fixture(scope="module")
-def resumed(two, three, tmp_path_factory):
-    """The SIGKILLed run resumed; the 3-rank checkpoint resumed on 2 ranks."""
+def killed_s3(tmp_path_factory):
+    """A stage-3 run on 2 ranks that a SIGKILL of rank 1 ends mid-epoch."""
+    out = tmp_path_factory.mktemp("zero_killed_s3")
+    killed = launch(out, {"killed_s3": (killed_run(out, stage=3)[0],)}, 2, expect_success=False)
+    assert killed.returncode != 0
+    assert not (out / "killed_s3" / "rank0.json").exists(), (killed.stdout + killed.stderr)[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(two, three, killed_s3, tmp_path_factory):
+    """The SIGKILLed runs resumed; the 3-rank checkpoint resumed on 2 ranks."""
     out = tmp_path_factory.mktemp("zero_resumed")
     launch(out, {"resumed": (killed_run(two)[1],),
+                 "resumed_s3": (killed_run(killed_s3, stage=3)[1],),
                  "from_3": (["--stage=2", "--optimizer=adam_clip",
                              f"--checkpoint_dir={three / 'to_2_checkpoints'}"],)}, 2)
     return out, two / "killed"
 
 
 _references = {}
+_evaluated = {}  # One device's evaluate loss after training, by the same key.
 
 
 def one_device(optimizer, model="embedding", epochs=2):
@@ -149,6 +189,9 @@ def one_device(optimizer, model="embedding", epochs=2):
         made.fit(runner.dataset(data, job.GLOBAL_BATCH), epochs=epochs, verbose=0)
         _references[key] = (made.get_weights(),
                             [v.numpy() for v in made.optimizer.variables])
+        features, labels = job.examples(model, 6)
+        _evaluated[key] = float(made.evaluate(features, labels, batch_size=job.GLOBAL_BATCH,
+                                              verbose=0))
     return _references[key]
 
 
@@ -169,6 +212,15 @@ def test_two_ranks_equal_one_device(two, name):
     _, optimizer, *model = {**EQUIVALENT, **ONLY_ON_2}[name]
     reports = check_equivalent(two, name, optimizer, 2, *model)
     assert [reports[r]["iterations"] for r in (0, 1)] == [12, 12]
+
+
+def test_evaluate_after_a_stage_3_fit_equals_one_device_on_every_rank(two, three):
+    one_device("adam_clip")
+    for out, ranks in ((two, 2), (three, 3)):
+        reports, _ = ranks_of(out / "s3_adam_clip", ranks)
+        losses = [reports[r]["evaluate_loss"] for r in range(ranks)]
+        assert max(abs(loss - _evaluated[("adam_clip", "embedding", 2)]) for loss in losses) < (
+            TOLERANCE), (ranks, losses)
 
 
 @pytest.mark.parametrize("name", sorted({**EQUIVALENT, **ONLY_ON_3}))
@@ -200,9 +252,23 @@ def test_each_rank_holds_its_share_of_the_state(two, three):
             assert sum(held) - (ranks - 1) * 12 == full, (stage, ranks, held, full)
 
 
+def test_each_rank_stores_its_slice_of_each_weight_at_stage_3(two, three):
+    weights, _ = one_device("adam_clip")
+    for out, ranks in ((two, 2), (three, 3)):
+        reports, _ = ranks_of(out / "s3_adam_clip", ranks)
+        slices = sum(-(-array.size // ranks) * 4 for array in weights)  # padded to N equal
+        stored = [reports[r]["weight_bytes"] for r in range(ranks)]
+        assert stored == [slices] * ranks, (ranks, stored, slices)
+        # Adam's two slots of each slice (padding included), the step and the rate.
+        assert [reports[r]["state_bytes"] for r in range(ranks)] == [2 * stored[0] + 12] * ranks
+        assert reports[0]["largest_variable_bytes"] * ranks > stored[0]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_mixed_float16_inf_on_one_rank_skips_the_step_on_all(two, three, ranks):
-    reports, weights = ranks_of((two if ranks == 2 else three) / "fp16_inf", ranks)
+def test_mixed_float16_inf_on_one_rank_skips_the_step_on_all(two, three, ranks, stage):
+    folder = "fp16_inf" if stage == 2 else "fp16_inf_s3"
+    reports, weights = ranks_of((two if ranks == 2 else three) / folder, ranks)
     # 6 steps, the inf in the last rank's slice of step 3: 5 updates, the scale halved once.
     assert [reports[r]["iterations"] for r in range(ranks)] == [5] * ranks
     assert [reports[r]["loss_scale"] for r in range(ranks)] == [2.0 ** 14] * ranks
@@ -211,10 +277,13 @@ def test_mixed_float16_inf_on_one_rank_skips_the_step_on_all(two, three, ranks):
     assert all(np.all(np.isfinite(array)) for array in weights[0])
 
 
-def test_a_sigkill_and_a_resume_equal_the_uninterrupted_run(two, resumed):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_sigkill_and_a_resume_equal_the_uninterrupted_run(two, resumed, killed_s3, stage):
     out, checkpoints = resumed
-    _, uninterrupted = ranks_of(two / "s2_adam_clip", 2)
-    reports, weights = ranks_of(out / "resumed", 2)
+    if stage == 3:
+        checkpoints = killed_s3 / "killed_s3"
+    _, uninterrupted = ranks_of(two / f"s{stage}_adam_clip", 2)
+    reports, weights = ranks_of(out / ("resumed" if stage == 2 else "resumed_s3"), 2)
     # It went on from the checkpoint of step 8, in epoch 2, not from the start.
     assert [reports[r]["iterations_at_start"] for r in (0, 1)] == [8, 8]
     assert [reports[r]["iterations"] for r in (0, 1)] == [12, 12]
@@ -226,6 +295,12 @@ def test_a_sigkill_and_a_resume_equal_the_uninterrupted_run(two, resumed):
     assert shards == [f"{number}.rank{r}-of-2.npz" for number in kept for r in (0, 1)]
 
 
+def test_stage_3_resumes_on_3_ranks_from_2_and_from_a_stage_2_checkpoint(three):
+    for name in ("s3_from_2", "s3_from_s2"):
+        reports = check_equivalent(three, name, "adam_clip", 3)
+        assert [reports[r]["iterations_at_start"] for r in range(3)] == [6] * 3, name
+
+
 def test_a_checkpoint_of_2_ranks_resumes_on_3_and_one_of_3_on_2(three, resumed):
     # Saved at the end of epoch 1 (6 steps) by one rank count, trained on by the other.
     reports = check_equivalent(three, "from_2", "adam_clip", 3)
@@ -235,19 +310,53 @@ def test_a_checkpoint_of_2_ranks_resumes_on_3_and_one_of_3_on_2(three, resumed):
     assert [reports[r]["iterations_at_start"] for r in (0, 1)] == [6] * 2
 
 
-def test_model_save_writes_the_whole_state_and_plain_keras_loads_it(two, tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_model_save_writes_the_whole_state_and_plain_keras_loads_it(two, tmp_path, stage):
     # A process with Keras alone: no tfdist, no Horovod.
     code = ("import sys, numpy as np, keras\n"
             "model = keras.models.load_model(sys.argv[1])\n"
             "print(type(model.optimizer).__module__, type(model.optimizer).__name__)\n"
-            "np.savez(sys.argv[2], *[v.numpy() for v in model.optimizer.variables])\n")
-    loaded = subprocess.run([sys.executable, "-c", code, str(two / "s2_save" / "model.keras"),
-                             str(tmp_path / "loaded.npz")], capture_output=True, text=True,
+            "np.savez(sys.argv[2], *[v.numpy() for v in model.optimizer.variables])\n"
+            "np.savez(sys.argv[3], *model.get_weights())\n")
+    saved_model = str(two / f"s{stage}_save" / "model.keras")
+    loaded = subprocess.run([sys.executable, "-c", code, saved_model, str(tmp_path / "loaded.npz"),
+                             str(tmp_path / "weights.npz")], capture_output=True, text=True,
                             timeout=120)
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert loaded.stdout.split()[-1] == "Adam"
     state = np.load(tmp_path / "loaded.npz")
     saved = [state[f"arr_{i}"] for i in range(len(state.files))]
-    _, expected = one_device("adam_clip")  # the unsharded state, in plain Keras's order
+    weights, expected = one_device("adam_clip")  # the unsharded state, in plain Keras's order
     assert [a.shape for a in saved] == [a.shape for a in expected]
     assert largest_difference(saved, expected) < TOLERANCE
+    loaded_weights = np.load(tmp_path / "weights.npz")
+    loaded_weights = [loaded_weights[f"arr_{i}"] for i in range(len(loaded_weights.files))]
+    assert [a.shape for a in loaded_weights] == [a.shape for a in weights]
+    assert largest_difference(loaded_weights, weights) < TOLERANCE
+
+
+REFUSALS = {
+    "built_in_fit": (["--model=unbuilt"], "zero_stage 3 stores each trainable variable as 1/N "
+                                          "per rank from its creation, under runner.scope()"),
+    "accumulation_with_checkpoints": (["--accumulation=2", "--checkpoint_dir={tmp}/new"],
+                                      "checkpoints of zero_stage 3 with accumulation_steps > 1 "
+                                      "are not written yet"),
+    "sliced_weights_at_stage_2": (["--stage=2", "--checkpoint_dir={tmp}/sliced"],
+                                  "checkpoint "),  # then its number, and:
+}
+SLICED = "holds each weight as slices (saved with zero_stage 3); resume it with zero_stage 3"
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_stage_3_refuses_what_it_cannot_do_yet_with_one_line(two, tmp_path, case):
+    # One rank (no mpirun): each refusal comes before any step.
+    shutil.copytree(two / "s3_to_3_checkpoints", tmp_path / "sliced")
+    arguments, expected = REFUSALS[case]
+    result = run_command([sys.executable, SCRIPT, str(tmp_path / "out"), "--stage=3",
+                          *[argument.format(tmp=tmp_path) for argument in arguments]],
+                         cwd=tmp_path)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tfdist.errors.ConfigError: " + expected), last
+    if case == "sliced_weights_at_stage_2":
+        assert SLICED in last, last

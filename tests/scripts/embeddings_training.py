@@ -11,7 +11,9 @@ Run by tests/adapters/test_two_embeddings.py under `mpirun -np 2`:
 
 Models: "pair", a token and a segment Embedding summed into a small MLP; "bert", keras-hub's
 `BertTextClassifier` on a `BertBackbone` from a small config (random weights): a token,
-a segment and a position embedding. Each rank writes OUT_DIR/rank<R>.npz (its weights).
+a segment and a position embedding; "gpt2", keras-hub's `GPT2CausalLM` from a small config
+(random weights), whose token embedding is read twice a step, tied: for the tokens and,
+transposed, for the logits. Each rank writes OUT_DIR/rank<R>.npz (its weights).
 """
 
 import argparse
@@ -32,6 +34,13 @@ GLOBAL_BATCH, STEPS, LENGTH, VOCABULARY, SEGMENTS = 16, 4, 12, 200, 2
 def make_model(kind):
     """The model, with fixed weights: the same on every rank and in one device's run."""
     keras.utils.set_random_seed(3)
+    if kind == "gpt2":
+        import keras_hub
+
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=VOCABULARY, num_layers=2, num_heads=2, hidden_dim=32,
+            intermediate_dim=64, max_sequence_length=LENGTH, dropout=0.0)
+        return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
     if kind == "bert":
         import keras_hub
 
@@ -58,6 +67,10 @@ def examples(kind):
                 "segment_ids": rng.randint(0, SEGMENTS, (count, LENGTH)).astype("int32")}
     if kind == "bert":
         features["padding_mask"] = np.ones((count, LENGTH), "int32")
+    if kind == "gpt2":  # The next token of each position (the last one's: token 0).
+        tokens = features["token_ids"]
+        return ({"token_ids": tokens, "padding_mask": np.ones((count, LENGTH), "int32")},
+                np.concatenate([tokens[:, 1:], np.zeros((count, 1), "int32")], axis=1))
     return features, rng.randint(0, reference.CLASSES, count).astype("int32")
 
 
@@ -72,8 +85,9 @@ def train(strategy, kind, stage=0, accumulation=1, extra=None, epochs=2):
         **(extra or {})}))
     with runner.scope():
         model = make_model(kind)
-        model.compile(runner.optimizer(keras.optimizers.Adam(0.01, global_clipnorm=1.0)),
-                      "sparse_categorical_crossentropy")
+        # GPT-2's outputs are logits; the others' probabilities.
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=kind == "gpt2")
+        model.compile(runner.optimizer(keras.optimizers.Adam(0.01, global_clipnorm=1.0)), loss)
     data = runner.dataset(tf.data.Dataset.from_tensor_slices(examples(kind)),
                           GLOBAL_BATCH // accumulation)
     model.fit(data, epochs=epochs, verbose=0, callbacks=runner.callbacks())
@@ -85,7 +99,7 @@ def parse(argv):
     parser.add_argument("out_dir")
     parser.add_argument("--strategy", default="horovod",
                         choices=["horovod", "mirrored", "multi_worker"])
-    parser.add_argument("--model", default="pair", choices=["pair", "bert"])
+    parser.add_argument("--model", default="pair", choices=["pair", "bert", "gpt2"])
     parser.add_argument("--stage", type=int, default=0)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--variants", help="JSON: {name: [args, ...]}, trained in turn")

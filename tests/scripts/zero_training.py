@@ -4,7 +4,7 @@ Run by tests under `mpirun -np 2` or `-np 3`:
 
     mpirun -np 2 python tests/scripts/zero_training.py OUT_DIR --stage 2 --optimizer adam_clip \
         [--steps N] [--epochs N] [--accumulation K] [--precision P] [--inf_at_step S] \
-        [--model embedding|deferred|dense] [--checkpoint_dir DIR] [--save_every_steps N] \
+        [--model embedding|deferred|dense|unbuilt] [--checkpoint_dir DIR] [--save_every_steps N] \
         [--kill_at_step N] [--save_model]
     mpirun -np 2 python tests/scripts/zero_training.py OUT_DIR --variants JSON
 
@@ -61,6 +61,9 @@ def make_model(kind):
         return reference.make_model(embedding=True)
     if kind == "deferred":
         return keras.Sequential(reference.make_model(embedding=True).layers)
+    if kind == "unbuilt":  # Layers that create their variables in fit, on the first batch.
+        return keras.Sequential([keras.layers.Embedding(reference.VOCABULARY, 8),
+                                 keras.layers.Flatten(), keras.layers.Dense(reference.CLASSES)])
     return keras.Sequential([keras.Input((reference.FEATURES,)),
                              keras.layers.Dense(reference.CLASSES, name="out"),
                              keras.layers.Activation("softmax", dtype="float32")])
@@ -88,7 +91,7 @@ def parse(argv):
     parser.add_argument("--precision", default="float32")
     parser.add_argument("--inf_at_step", type=int)
     parser.add_argument("--model", default="embedding",
-                        choices=["embedding", "deferred", "dense"])
+                        choices=["embedding", "deferred", "dense", "unbuilt"])
     parser.add_argument("--checkpoint_dir")
     parser.add_argument("--save_every_steps", type=int, default=0)
     parser.add_argument("--kill_at_step", type=int)
@@ -102,6 +105,7 @@ def train(args):
 
     import tfdist
     from tfdist.sharding import find_sharded, state_bytes
+    from tfdist.sharding.weights import gradient_shape
 
     runner = tfdist.Runner(tfdist.load_config(overrides={
         "strategy": "horovod", "precision": args.precision, "zero_stage": args.stage,
@@ -111,11 +115,13 @@ def train(args):
     rank, ranks = hvd.rank(), hvd.size()
     with runner.scope():
         model = make_model(args.model)
-        if args.model == "deferred":
+        if args.model in ("deferred", "unbuilt"):
             # Its weights are drawn in fit, from a seed of each rank's own: only the
             # broadcast of rank 0's makes the ranks start alike.
             keras.utils.set_random_seed(DEFERRED_SEED + rank)
         else:
+            # (At zero_stage 3 the model made here is stored sharded too, and its
+            # get_weights gathers on every rank alike.)
             model.set_weights(initial_weights(args.model))
         model.compile(runner.optimizer(optimizers()[args.optimizer]()),
                       "sparse_categorical_crossentropy")
@@ -129,13 +135,19 @@ def train(args):
     if args.kill_at_step and rank == 1:
         callbacks.append(reference.KillAt(args.kill_at_step))
     model.fit(data, epochs=args.epochs, callbacks=callbacks, verbose=0)
+    # Every rank evaluates the whole training set (at zero_stage 3 each step gathers).
+    evaluated = model.evaluate(features, labels, batch_size=GLOBAL_BATCH, verbose=0)
     optimizer = model.optimizer
     sharded = find_sharded(optimizer)
     report = {"rank": rank, "ranks": ranks, "iterations": int(optimizer.iterations.numpy()),
               "iterations_at_start": first_step.iterations,
+              "evaluate_loss": float(evaluated),
               "state_bytes": state_bytes(optimizer),
               "largest_variable_bytes": max(int(np.prod(v.shape)) * 4
                                             for v in model.trainable_variables),
+              # What this rank stores of the trainable weights (a slice of each at stage 3).
+              "weight_bytes": sum(int(np.prod(gradient_shape(v))) * 4
+                                  for v in model.trainable_variables),
               "partition": [] if sharded is None else [
                   [p.variable, p.start, p.stop] for p in sharded.partition]}
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):

@@ -118,6 +118,11 @@ class Adapter(abc.ABC):
         """Replicas that train in sync, across all processes."""
         return self.strategy.num_replicas_in_sync
 
+    def creation_scope(self) -> ContextManager[None]:
+        """What `runner.scope()` enters besides the strategy's scope, around the model's
+        creation (the horovod adapter at zero_stage 3: variables created sharded)."""
+        return contextlib.nullcontext()
+
     def inter_op_threads(self) -> int:
         """Inter-op threads this strategy needs when the config sets none (0: TF's default)."""
         return 0

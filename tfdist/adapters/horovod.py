@@ -93,6 +93,12 @@ class HorovodAdapter(Adapter):
         self._voting = False  # Whether traced steps carry the preemption vote.
         self._traced_without_vote = False
         size = self.hvd.size()
+        if config.zero_stage == 3 and config.model_parallel.devices > 1:
+            raise ConfigError(f"zero_stage 3 stores each weight as 1/N per rank, and "
+                              f"model_parallel places whole layers on devices; the two do not "
+                              f"compose yet: use zero_stage 2 with model_parallel, or "
+                              f"model_parallel.devices 1. Received: zero_stage=3, "
+                              f"model_parallel.devices={config.model_parallel.devices}")
         if config.horovod.op is Reduction.ADASUM and size & (size - 1):
             raise ConfigError(f"horovod.op adasum needs a power-of-2 number of ranks (Horovod "
                               f"supports no other); start 2, 4, 8... ranks or use average. "
@@ -228,10 +234,20 @@ class HorovodAdapter(Adapter):
             optimizer = type(optimizer).from_config({**config, "learning_rate": schedule})
             self._scaled_rates.append(schedule)
         if self.config.zero_stage:
-            collectives = ShardCollectives(self.hvd, self.gradient_reduce_fn(),
-                                           before_update=self._ride_vote)
-            return sharding.sharded_optimizer(optimizer, collectives, self.config.zero_stage)
+            return sharding.sharded_optimizer(optimizer, self._shard_collectives,
+                                              self.config.zero_stage)
         return GradientReducingOptimizer(optimizer, reduce_fn=self.gradient_reduce_fn())
+
+    @functools.cached_property
+    def _shard_collectives(self) -> ShardCollectives:
+        return ShardCollectives(self.hvd, self.gradient_reduce_fn(), before_update=self._ride_vote)
+
+    def creation_scope(self) -> contextlib.AbstractContextManager[None]:
+        """At zero_stage 3, trainable variables are created as this rank's slice only
+        (`tfdist.sharding.weights`)."""
+        if self.config.zero_stage == 3:
+            return sharding.sharded_creation(self._shard_collectives)
+        return contextlib.nullcontext()
 
     def gradient_reduce_fn(self) -> Callable[[list[Any]], list[Any]]:
         """The config's reduction: one grouped allreduce, or one per gradient (`grouped`)."""

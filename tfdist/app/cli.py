@@ -316,7 +316,7 @@ def _env_summary(report: dict, cluster: Any) -> str:
         f"            precision {auto['precision']} ({auto['precision_why']})",
         f"strategies  {', '.join(report['strategies_available'])}",
         f"horovod     {horovod_line}",
-        f"zero_stage  1 and 2 under {', '.join(report['zero_stage']['strategies'])} "
+        f"zero_stage  1, 2 and 3 under {', '.join(report['zero_stage']['strategies'])} "
         f"(one_device: nothing to shard); refused by the others",
         f"parallel    model_parallel.devices > 1 under "
         f"{', '.join(report['model_parallel']['strategies'])}; refused by the others",
@@ -385,11 +385,11 @@ def _bug_present(patch: Any) -> bool | None:
 
 
 def _zero_stages() -> dict:
-    """Where sharded training state (`zero_stage` 1, 2) runs, and why the others refuse it."""
+    """Where sharded training state (`zero_stage` 1, 2, 3) runs, and why the others refuse it."""
     from tfdist import registry
 
     adapters = {name: registry.get(name) for name in registry.available()}
-    return {"stages": [0, 1, 2],
+    return {"stages": [0, 1, 2, 3],
             "strategies": [name for name, adapter in adapters.items()
                            if adapter.zero_refusal is None],
             "refused": {name: adapter.zero_refusal for name, adapter in adapters.items()

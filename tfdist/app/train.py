@@ -123,7 +123,7 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
         "model_parallel": {"devices": list(runner.model_devices),
                            "micro_batches": runner.config.model_parallel.micro_batches,
                            "balance": model.balance} if runner.model_devices else None,
-        # This process's optimizer state (its partition under zero_stage 1 or 2).
+        # This process's optimizer state (its partition under zero_stage 1, 2 or 3).
         "optimizer_state_bytes": state_bytes(model.optimizer),
         # This process's allocator peak per device, over the process and during fit (None
         # on a CPU unless TF_CPU_ALLOCATOR_USE_BFC=true was set before TensorFlow started).

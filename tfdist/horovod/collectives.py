@@ -225,6 +225,22 @@ class ShardCollectives(sharding.ShardCollectives):
             self._hvd.allreduce, values, op=self._hvd.Sum, name="tfdist_zero_norms",
             ignore_name_scope=True))
 
+    def gather(self, flat: tf.Tensor, name: str) -> tf.Tensor:
+        return in_step_order(functools.partial(
+            self._hvd.allgather, flat, name=name, ignore_name_scope=True))
+
+    def reduce_scatter(self, flat: tf.Tensor, name: str) -> tf.Tensor:
+        return in_step_order(functools.partial(
+            self._hvd.reducescatter, flat, op=self._hvd.Average, name=name,
+            ignore_name_scope=True))
+
+    def broadcast(self, value: tf.Tensor, name: str) -> tf.Tensor:
+        return self._hvd.broadcast(value, root_rank=0, name=name, ignore_name_scope=True)
+
+    def before_update(self) -> None:
+        if self._before_update is not None:
+            self._before_update()
+
 
 class BroadcastState(keras.callbacks.Callback):
     """Copies one rank's weights and optimizer state to every rank before each fit's first step.
@@ -273,7 +289,8 @@ class BroadcastState(keras.callbacks.Callback):
         state = list(self.model.weights) + (list(optimizer.variables) if optimizer else [])
         sharded = sharding.find_sharded(optimizer)
         local = self._local | {id(tf_variable(variable)) for variable in (
-            sharded.sharded_variables if sharded is not None else ())}
+            sharded.sharded_variables if sharded is not None else ())} | {
+            id(tf_variable(variable)) for variable in state if sharding.is_sharded(variable)}
         # Replica-local state (gradient accumulators) is each rank's own by design: a
         # fit that starts in the middle of an accumulation cycle must keep it.
         shared = [variable for variable in map(tf_variable, state)

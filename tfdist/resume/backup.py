@@ -136,6 +136,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             model.optimizer.build(model.trainable_variables)
         objects = _saved_objects(model, self._position)
         self._sharded = sharding.find_sharded(model.optimizer)
+        if (self.directory and getattr(self._sharded, "zero_stage", 0) == 3
+                and self._adapter.config.accumulation_steps > 1):
+            # Each rank's accumulators are slices of the gradients, which the checkpoint's
+            # sum over the ranks (prepare_checkpoint) would add up wrongly.
+            raise ConfigError(f"checkpoints of zero_stage 3 with accumulation_steps > 1 are "
+                              f"not written yet; use zero_stage 2 to accumulate and "
+                              f"checkpoint. Received: checkpoint_dir={self.directory!r}, "
+                              f"zero_stage=3")
         if self.directory:
             self._store = CheckpointStore(self.directory, objects,
                                           is_writer=self._adapter.is_chief, keep=self.keep)
@@ -214,6 +222,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _resume_from_checkpoint(self) -> None:
         store, adapter = self._store, self._adapter
+        self._check_weights_whole_or_sliced()
         # Each rank's sharded optimizer state is part of its checkpoint: shard files that do
         # not read pass the checkpoint over, as a torn index or data file does.
         path = store.restore_newest(
@@ -247,6 +256,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         notes = self._identity_notes + self._store.notes
         self._resume(f"resuming from {path}" + (f" ({'; '.join(notes)})" if notes else ""))
 
+    def _check_weights_whole_or_sliced(self) -> None:
+        """Refuses, before reading it, a checkpoint whose weights are slices (zero_stage 3)
+        at another stage: its weights would not fit the whole variables."""
+        stage = getattr(self._sharded, "zero_stage", 0)
+        saved = sharded_state.numbers(self.directory)
+        if stage == 3 or not saved:
+            return
+        try:
+            with sharded_state.ShardReader(self.directory, max(saved)) as reader:
+                sliced = sharding.WEIGHT in reader.slots()
+        except ConfigError:
+            return  # Unreadable shard files: the restore passes the checkpoint over.
+        if sliced:
+            raise ConfigError(f"checkpoint {max(saved)} in {self.directory} holds each weight "
+                              f"as slices (saved with zero_stage 3); resume it with "
+                              f"zero_stage 3. Received: checkpoint_dir={self.directory!r}, "
+                              f"zero_stage={stage}")
+
     def _restore_shards(self, number: int) -> None:
         """Each rank's partition of the optimizer state, from every rank's shard files."""
         if self._sharded is None:
@@ -258,7 +285,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                                   f"{self.directory!r}")
             return
         with sharded_state.ShardReader(self.directory, number) as reader:
-            self._sharded.load_shard_state(reader.read)
+            self._sharded.load_shard_state(reader.read,
+                                           weights=sharding.WEIGHT in reader.slots())
 
     def _check_same_run(self) -> None:
         """Refuses to resume a folder another run made; records this run's identity."""

@@ -151,6 +151,10 @@ class ShardReader:
                 self._pieces.setdefault((variable, slot), []).append(
                     _Stored(start, stop, path, f"a{position}"))
 
+    def slots(self) -> set[str]:
+        """The names of the slots the files hold (the weights' too, saved at zero_stage 3)."""
+        return {slot for _, slot in self._pieces}
+
     def read(self, variable: int, slot: str, start: int, stop: int) -> np.ndarray:
         """Elements [start, stop) of slot `slot` of variable `variable`, flattened.
 

@@ -1,8 +1,9 @@
-"""Sharded training state (ZeRO stages 1 and 2): each rank holds 1/N of the optimizer state.
+"""Sharded training state (ZeRO stages 1, 2 and 3): each rank holds 1/N of the optimizer state.
 
-Every data-parallel rank keeps the whole model, but only its partition of the
-optimizer's state (Adam's moments, momentum, EMA averages), as DeepSpeed's ZeRO
-and PyTorch's `ZeroRedundancyOptimizer` do:
+At stages 1 and 2 every data-parallel rank keeps the whole model, but only its
+partition of the optimizer's state (Adam's moments, momentum, EMA averages), as
+DeepSpeed's ZeRO and PyTorch's `ZeroRedundancyOptimizer` do; at stage 3 it stores only
+its slice of the weights too:
 
 - **Stage 1**: the variables are dealt out whole to the ranks, largest first to
   the least loaded, so a rank holds at most the mean plus the largest variable.
@@ -15,6 +16,11 @@ and PyTorch's `ZeroRedundancyOptimizer` do:
   of the updated slices gives every rank the new weights: the bytes of one
   all-reduce. A variable cut by a slice boundary is updated in parts, so only
   optimizers whose update is element-wise qualify (`ELEMENT_WISE`).
+- **Stage 3**: each trainable variable is created as this rank's slice of it
+  (`sharded_creation`, which `runner.scope()` enters), read through an all-gather
+  whose gradient is a reduce-scatter (`ShardedWeight`), so the backward pass yields
+  each rank's averaged slice of each gradient as the layer's gradient appears; the
+  optimizer updates the slices in place. Element-wise optimizers only.
 
 `sharded_optimizer(optimizer, collectives, stage)` returns an optimizer of the
 user's own class (a subclass with the same name and module, so a saved model
@@ -31,9 +37,11 @@ Example:
 
 from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding.layout import Piece, ShardLayout
-from tfdist.sharding.optimizer import ELEMENT_WISE, check_stage, find_sharded, sharded_optimizer
+from tfdist.sharding.optimizer import (ELEMENT_WISE, WEIGHT, check_stage, find_sharded,
+                                       sharded_optimizer)
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order, state_bytes
+from tfdist.sharding.weights import ShardedWeight, is_sharded, sharded_creation
 
 __all__ = ["ELEMENT_WISE", "Other", "Piece", "ShardCollectives", "ShardLayout", "ShardPart",
-           "Slot", "check_stage", "find_sharded", "plain_order", "sharded_optimizer",
-           "state_bytes"]
+           "ShardedWeight", "Slot", "WEIGHT", "check_stage", "find_sharded", "is_sharded",
+           "plain_order", "sharded_creation", "sharded_optimizer", "state_bytes"]

@@ -1,9 +1,9 @@
 """What sharding needs from a communicator, apart from any one communicator.
 
-`tfdist.sharding` asks for four collectives, each called inside the traced train step
+`tfdist.sharding` asks for these collectives, each called inside the traced train step
 on every rank in the same order; `tfdist.horovod.collectives.ShardCollectives` implements
 them on Horovod. Another communicator (tf.distribute's collectives, say) would implement
-the same four.
+the same ones.
 
 Example:
 
@@ -50,3 +50,21 @@ class ShardCollectives:
     def sum(self, values: tf.Tensor) -> tf.Tensor:
         """`values` summed across ranks."""
         raise NotImplementedError
+
+    def gather(self, flat: tf.Tensor, name: str) -> tf.Tensor:
+        """Every rank's `flat` (1-D, the same length on every rank) concatenated in rank
+        order, as an op named `name` on every rank (zero_stage 3: a weight's slices)."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, flat: tf.Tensor, name: str) -> tf.Tensor:
+        """Rank r's equal slice of `flat` averaged across ranks, as an op named `name`
+        (zero_stage 3: a weight's gradient, in the backward pass)."""
+        raise NotImplementedError
+
+    def broadcast(self, value: tf.Tensor, name: str) -> tf.Tensor:
+        """Rank 0's `value`, on every rank (zero_stage 3: a weight's initial value)."""
+        raise NotImplementedError
+
+    def before_update(self) -> None:
+        """Called once per update, in the step, before the optimizer updates (zero_stage 3:
+        the gradients were reduced in the backward pass already)."""

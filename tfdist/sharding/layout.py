@@ -1,9 +1,11 @@
-"""Which rank updates which elements of the trainable variables, at ZeRO stage 1 or 2.
+"""Which rank updates which elements of the trainable variables, at ZeRO stage 1, 2 or 3.
 
 Stage 1 deals whole variables out, largest first to the least loaded rank; stage 2
 cuts all of them, as one flat buffer padded to N equal slices, into one slice per
-rank. Both give each rank its pieces (a variable's flat element range) and where each
-variable's elements sit in the buffer the ranks gather.
+rank; stage 3 cuts each variable alone into N equal slices (each rank stores its
+slice of every variable, `tfdist.sharding.weights`). Each gives each rank its pieces (a
+variable's flat element range) and, at stages 1 and 2, where each variable's elements sit
+in the buffer the ranks gather.
 
 Example:
 
@@ -38,7 +40,8 @@ class ShardLayout:
     Args:
         sizes: Elements of each trainable variable, in order.
         ranks: The number of ranks.
-        stage: 1 (whole variables, balanced by size) or 2 (flat equal slices).
+        stage: 1 (whole variables, balanced by size), 2 (flat equal slices) or 3 (equal
+            slices of each variable; a rank's piece of a variable may be empty).
 
     Example:
 
@@ -63,6 +66,16 @@ class ShardLayout:
                 for piece in pieces:
                     self.position[piece.variable] = where
                     where += piece.stop
+        elif stage == 3:
+            # Every variable cut alone into N equal slices (the last ones padded): each
+            # rank stores its slice of each, and a variable is gathered by itself.
+            self.widths = [max(1, math.ceil(size / ranks)) for size in self.sizes]
+            self._slices = [sum(self.widths)] * ranks
+            self.position = offsets[:-1]
+            self._pieces = [[Piece(index, min(rank * width, size), min((rank + 1) * width, size),
+                                   False)
+                             for index, (size, width) in enumerate(zip(self.sizes, self.widths))]
+                            for rank in range(ranks)]
         else:
             width = max(1, math.ceil(total / ranks))
             self._slices = [width] * ranks

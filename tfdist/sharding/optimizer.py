@@ -26,6 +26,10 @@ from tfdist.patches.keras_optimizer import sum_repeated_rows
 from tfdist.sharding.layout import Piece, ShardLayout
 from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order
+from tfdist.sharding.weights import is_sharded
+
+# The name of the weights' slices in a rank's shard file (`shard_state`, zero_stage 3).
+WEIGHT = "tfdist_weight"
 
 # Optimizers whose update of an element depends only on that element's gradient and
 # state (and on scalars such as the step), so that a slice of a variable updates as
@@ -74,19 +78,31 @@ class _ShardedMixin:
                               f"this model trains {', '.join(dtypes)} variables; use one "
                               f"variable dtype (a mixed_* policy keeps them float32), or "
                               f"zero_stage 0. Received: {dtypes}")
+        if self.zero_stage == 3:
+            _check_stored_sharded(variables)
         layout = ShardLayout([int(np.prod(v.shape)) for v in variables],
                              self._collectives.size, self.zero_stage)
         # A plain object: the optimizer's attribute tracking would list the variables in it
         # (the model's among them) as the optimizer's own.
         self._shard = _Shard(variables, layout, layout.pieces(self._collectives.rank))
-        # A piece that is a whole variable is updated in place; a part of one is updated in
-        # a copy, refreshed from the variable before every update (the variable stays the
-        # truth: a broadcast or a restore changes it under the optimizer).
         with tf.init_scope():
-            self._shard.targets = [variables[piece.variable] if piece.whole else keras.Variable(
-                tf.reshape(variables[piece.variable], [-1])[piece.start:piece.stop],
-                name=variables[piece.variable].name, trainable=True)
-                for piece in self._shard.owned]
+            if self.zero_stage == 3:
+                # Each variable's stored slice itself, under its name (weight decay's
+                # exclusions go by name), updated in place.
+                self._shard.targets = [keras.Variable(v._value.shard, name=v.name,
+                                                      trainable=True) for v in variables]
+                for variable in variables:
+                    variable._value.version = self._step
+            else:
+                # A piece that is a whole variable is updated in place; a part of one is
+                # updated in a copy, refreshed from the variable before every update (the
+                # variable stays the truth: a broadcast or a restore changes it under the
+                # optimizer).
+                self._shard.targets = [
+                    variables[piece.variable] if piece.whole else keras.Variable(
+                        tf.reshape(variables[piece.variable], [-1])[piece.start:piece.stop],
+                        name=variables[piece.variable].name, trainable=True)
+                    for piece in self._shard.owned]
         excluded = [target for piece, target in zip(self._shard.owned, self._shard.targets)
                     if not piece.whole and not self._use_weight_decay(variables[piece.variable])]
         if excluded and getattr(self, "weight_decay", None) is not None:
@@ -140,6 +156,10 @@ class _ShardedMixin:
                 self.build(trainable_variables)
             self.built = True
         grads = list(grads)
+        if self.zero_stage == 3:
+            # The slices are the weights: updated in place, nothing to gather after.
+            super().apply(self._stage3_gradients(grads), self._shard.targets)
+            return
         if self.zero_stage == 1:
             mine = self._stage1_gradients(grads)
         else:
@@ -162,7 +182,16 @@ class _ShardedMixin:
         if getattr(self, "use_ema", False):
             if self._shard.owned:
                 self._overwrite_model_variables_with_average_value(self._shard.targets)
-            self._gather_weights()
+            if self.zero_stage != 3:
+                self._gather_weights()
+        if self.zero_stage == 3:
+            # `model.save()` and `get_weights()` on the chief alone read the whole weights:
+            # each rank keeps them as of this step, in host memory, until the next update.
+            step = self._step()
+            for variable in self._shard.variables:
+                weight = variable._value
+                with tf.device("/cpu:0"):
+                    weight.saved = (step, weight.read_value().numpy())
         # `model.save()` runs on the chief alone, where no collective can: the chief keeps
         # the whole state as of the end of this fit, in host memory (the others drop it).
         chief = self._collectives.rank == 0
@@ -209,6 +238,29 @@ class _ShardedMixin:
             self._shard.sink.assign(tf.add_n([
                 tf.reduce_sum(tf.cast(tf.reshape(part, [-1])[:1], tf.float32)) for part in parts]))
         return [grads[piece.variable] for piece in self._shard.owned]
+
+    def _stage3_gradients(self, grads: list[Any]) -> list[Any]:
+        """Each variable's slice of the averaged gradient (reduce-scattered in the backward
+        pass, `tfdist.sharding.weights`), clipped as one device clips the whole."""
+        self._collectives.before_update()
+        mine = [tf.zeros([width], variable.dtype) if grad is None else tf.convert_to_tensor(grad)
+                for grad, width, variable in zip(grads, self._shard.layout.widths,
+                                                 self._shard.variables)]
+        if not mine:
+            return mine
+        if getattr(self, "global_clipnorm", None):
+            scale = self._global_scale(self._collectives.sum(
+                tf.add_n([tf.reduce_sum(tf.square(g)) for g in mine])))
+            mine = [g * scale for g in mine]
+        if getattr(self, "clipnorm", None):
+            norms = tf.sqrt(self._collectives.sum(tf.stack([tf.reduce_sum(tf.square(g))
+                                                            for g in mine])))
+            mine = [g * self.clipnorm / tf.maximum(norms[i], self.clipnorm)
+                    for i, g in enumerate(mine)]
+        return mine
+
+    def _step(self) -> int:
+        return int(self.iterations.numpy())
 
     def _stage2_gradients(self, grads: list[Any]) -> list[Any]:
         variables, layout = self._shard.variables, self._shard.layout
@@ -266,17 +318,35 @@ class _ShardedMixin:
 
     def shard_state(self) -> list[ShardPart]:
         """This rank's state: a `ShardPart` for each slot of each owned piece."""
-        return [ShardPart(piece.variable, name, piece.start, piece.stop,
-                          np.reshape(self._shard.slots[(i, name)].numpy(), [-1]))
-                for i, piece in enumerate(self._shard.owned) for name in self._shard.slot_names
-                if (i, name) in self._shard.slots]
+        # At stage 3 a slot is padded beyond its piece; the padding is not state.
+        parts = [ShardPart(piece.variable, name, piece.start, piece.stop,
+                           np.reshape(self._shard.slots[(i, name)].numpy(),
+                                      [-1])[:piece.stop - piece.start])
+                 for i, piece in enumerate(self._shard.owned) for name in self._shard.slot_names
+                 if (i, name) in self._shard.slots]
+        if self.zero_stage == 3:
+            # And the weights are this rank's slices: they go in the same file.
+            parts += [ShardPart(piece.variable, WEIGHT, piece.start, piece.stop,
+                                target.numpy()[:piece.stop - piece.start])
+                      for piece, target in zip(self._shard.owned, self._shard.targets)]
+        return parts
 
-    def load_shard_state(self, read: Any) -> None:
-        """Sets each owned slot from `read(variable, name, start, stop)` (flat values)."""
-        for (i, name), slot in self._shard.slots.items():
+    def load_shard_state(self, read: Any, weights: bool = False) -> None:
+        """Sets each owned slot from `read(variable, name, start, stop)` (flat values).
+
+        Args:
+            read: Reads elements [start, stop) of slot `name` of variable `variable`.
+            weights: At stage 3, the files hold the weights' slices too (saved at stage
+                3): set them (saved at stage 1 or 2, the checkpoint had them whole).
+        """
+        owned = [(slot, i, name) for (i, name), slot in self._shard.slots.items()]
+        if self.zero_stage == 3 and weights:
+            owned += [(target, i, WEIGHT) for i, target in enumerate(self._shard.targets)]
+        for slot, i, name in owned:
             piece = self._shard.owned[i]
-            slot.assign(np.reshape(read(piece.variable, name, piece.start, piece.stop),
-                                   slot.shape))
+            values = np.reshape(read(piece.variable, name, piece.start, piece.stop), [-1])
+            padding = int(np.prod(slot.shape)) - values.size
+            slot.assign(np.reshape(np.pad(values, (0, padding)), slot.shape))
 
     def gather_full_state(self, keep: bool = True) -> dict[tuple[int, str], np.ndarray]:
         """Every slot of every variable, whole (a collective: every rank calls it).
@@ -287,6 +357,8 @@ class _ShardedMixin:
         Args:
             keep: Return what was gathered; False: take part only (an empty dict).
         """
+        if self.zero_stage == 3:
+            return self._gather_full_state_by_variable(keep)
         full = {}
         for name in self._shard.slot_names:
             values = [self._shard.slots[(i, name)] for i in range(len(self._shard.owned))]
@@ -299,6 +371,20 @@ class _ShardedMixin:
                 full[(index, name)] = gathered[where:where + size].reshape(variable.shape)
         return full
 
+    def _gather_full_state_by_variable(self, keep: bool) -> dict[tuple[int, str], np.ndarray]:
+        """Stage 3's `gather_full_state`: each slot of each variable gathered alone."""
+        full = {}
+        for name in self._shard.slot_names:
+            for index, variable in enumerate(self._shard.variables):
+                with tf.device("/cpu:0"):
+                    gathered = self._collectives.gather(
+                        tf.convert_to_tensor(self._shard.slots[(index, name)]),
+                        name=f"tfdist_zero3_state_{index}_{name}").numpy()
+                if keep:
+                    size = self._shard.layout.sizes[index]
+                    full[(index, name)] = gathered[:size].reshape(variable.shape)
+        return full
+
     def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict[str, Any]:
         # The chief writes the checkpoint: only what every rank holds alike (the step, the
         # learning rate) goes in it. The partitions go to each rank's own shard file
@@ -307,6 +393,19 @@ class _ShardedMixin:
         sharded = {id(v) for v in self.sharded_variables}
         return {name: child for name, child in children.items()
                 if isinstance(child, keras.Variable) and id(child) not in sharded}
+
+
+def _check_stored_sharded(variables: Sequence[Any]) -> None:
+    """Raises ConfigError unless every variable is stored sharded (created under
+    `runner.scope()` at zero_stage 3)."""
+    whole = [v.path for v in variables if not is_sharded(v)]
+    if whole:
+        raise ConfigError(f"zero_stage 3 stores each trainable variable as 1/N per rank from "
+                          f"its creation, under runner.scope(), but {len(whole)} variable(s) "
+                          f"were created outside it (a model built on its first batch in "
+                          f"fit, or a layer made before the scope): build the model inside "
+                          f"runner.scope() (keras.Input, or model.build(input_shape)). "
+                          f"Received: {', '.join(whole[:3])}")
 
 
 def _values(gradient: Any) -> Any:
@@ -335,17 +434,18 @@ def check_stage(stage: int, optimizer: keras.optimizers.Optimizer) -> None:
     """Raises ConfigError for an optimizer the stage cannot shard exactly.
 
     Args:
-        stage: 1 or 2.
+        stage: 1, 2 or 3.
         optimizer: The user's optimizer.
     """
     name = type(optimizer).__name__
     element_wise = (name in ELEMENT_WISE
                     and type(optimizer).__module__.startswith("keras."))
-    if stage == 2 and not element_wise:
-        raise ConfigError(f"zero_stage 2 updates slices of variables, which only an element-wise "
-                          f"optimizer ({', '.join(ELEMENT_WISE)}) updates as the whole; "
-                          f"{name} is not one of them: use zero_stage 1, which updates every "
-                          f"variable whole. Received: optimizer={name}, zero_stage=2")
+    if stage >= 2 and not element_wise:
+        raise ConfigError(f"zero_stage {stage} updates slices of variables, which only an "
+                          f"element-wise optimizer ({', '.join(ELEMENT_WISE)}) updates as the "
+                          f"whole; {name} is not one of them: use zero_stage 1, which updates "
+                          f"every variable whole. Received: optimizer={name}, "
+                          f"zero_stage={stage}")
     if getattr(optimizer, "gradient_accumulation_steps", None):
         raise ConfigError(f"zero_stage {stage} cannot shard Keras's own gradient_accumulation_"
                           f"steps; set tfdist's accumulation_steps instead. Received: "
@@ -359,8 +459,9 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
     Args:
         optimizer: The user's Keras optimizer (not built yet; its config is taken).
         collectives: The ranks' communicator.
-        stage: 1 (whole variables dealt out; gradients averaged) or 2 (flat slices;
-            gradients reduce-scattered).
+        stage: 1 (whole variables dealt out; gradients averaged), 2 (flat slices;
+            gradients reduce-scattered) or 3 (the model's variables stored sharded,
+            `tfdist.sharding.weights`; gradients reduce-scattered in the backward pass).
 
     Raises:
         ConfigError: an optimizer that is not element-wise at stage 2 (`ELEMENT_WISE`).
