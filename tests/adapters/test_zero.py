@@ -189,9 +189,11 @@ def one_device(optimizer, model="embedding", epochs=2):
         made.fit(runner.dataset(data, job.GLOBAL_BATCH), epochs=epochs, verbose=0)
         _references[key] = (made.get_weights(),
                             [v.numpy() for v in made.optimizer.variables])
-        features, labels = job.examples(model, 6)
-        _evaluated[key] = float(made.evaluate(features, labels, batch_size=job.GLOBAL_BATCH,
-                                              verbose=0))
+        # As the ranks evaluate (a tf.data pipeline: `evaluate` on NumPy arrays, after fits
+        # and clear_session in one process, crashed this process with SIGSEGV 3 times in
+        # about 10 runs, inside Keras's EpochIterator.reset).
+        _evaluated[key] = float(made.evaluate(runner.dataset(
+            data, job.GLOBAL_BATCH, drop_remainder=False), verbose=0))
     return _references[key]
 
 

@@ -135,13 +135,17 @@ def train(args):
     if args.kill_at_step and rank == 1:
         callbacks.append(reference.KillAt(args.kill_at_step))
     model.fit(data, epochs=args.epochs, callbacks=callbacks, verbose=0)
-    # Every rank evaluates the whole training set (at zero_stage 3 each step gathers).
-    evaluated = model.evaluate(features, labels, batch_size=GLOBAL_BATCH, verbose=0)
+    evaluated = None
+    if args.stage == 3:
+        # Every rank evaluates the whole training set, each step gathering the weights.
+        evaluated = float(model.evaluate(runner.dataset(
+            tf.data.Dataset.from_tensor_slices((features, labels)), GLOBAL_BATCH,
+            drop_remainder=False), verbose=0))
     optimizer = model.optimizer
     sharded = find_sharded(optimizer)
     report = {"rank": rank, "ranks": ranks, "iterations": int(optimizer.iterations.numpy()),
               "iterations_at_start": first_step.iterations,
-              "evaluate_loss": float(evaluated),
+              "evaluate_loss": evaluated,
               "state_bytes": state_bytes(optimizer),
               "largest_variable_bytes": max(int(np.prod(v.shape)) * 4
                                             for v in model.trainable_variables),
