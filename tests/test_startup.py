@@ -12,7 +12,7 @@ import time
 import pytest
 
 import tfdist
-from tfdist.app.launch import free_ports, reserved_cluster
+from tfdist.app.launch import free_ports, reserved_cluster, reserved_ports
 from tfdist.quiet import is_tensorflow_log_line
 from tfdist.cluster import ClusterInfo, MpiInfo, SlurmInfo, parse_tf_config
 from tfdist.errors import ClusterError, ConfigError
@@ -28,22 +28,25 @@ def tf_config(addresses, index, kind="worker"):
 
 
 def test_two_tasks_waiting_for_each_other_both_go_on():
-    first, second = (f"127.0.0.1:{port}" for port in free_ports(2))
     errors = []
 
     def task(own, peer):
         try:
-            wait_for_peers(own, {"peer": peer}, timeout_seconds=20)
+            # A hang bound: 20 s ran out once in a fresh-clone run under extra load.
+            wait_for_peers(own, {"peer": peer}, timeout_seconds=60)
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
-    threads = [threading.Thread(target=task, args=(first, second)),
-               threading.Thread(target=task, args=(second, first))]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.5)  # the second starts later, as a slower pod would
-    for thread in threads:
-        thread.join(timeout=30)
+    # Held while the tasks start, so no other test's cluster draws them meanwhile.
+    with reserved_ports(2) as ports:
+        first, second = (f"127.0.0.1:{port}" for port in ports)
+        threads = [threading.Thread(target=task, args=(first, second)),
+                   threading.Thread(target=task, args=(second, first))]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.5)  # the second starts later, as a slower pod would
+        for thread in threads:
+            thread.join(timeout=90)
     assert errors == [] and not any(thread.is_alive() for thread in threads)
     # Both ports are free again for TensorFlow's servers.
     for address in (first, second):
