@@ -24,11 +24,13 @@ count.
 
 Then a projection to a 7 B-parameter model on 8 to 64 ranks, beside DeepSpeed's
 published formula (mixed-precision Adam: 16 bytes per parameter unsharded, 4 + 12/N at
-stage 1, 2 + 14/N at stage 2, 16/N at stage 3): at stages 1 and 2 tfdist keeps float32
+stage 1, 2 + 14/N at stage 2, 16/N at stage 3): at stage 1 tfdist keeps float32
 weights and computes float32 gradients in full on every rank (Keras's train step
 computes every gradient before the optimizer runs), so its bytes per parameter are
-8 + (optimizer bytes)/N, the optimizer bytes per parameter measured here; at stage 3
-each layer's gathered weights live until its backward, so 4 + (8 + optimizer bytes)/N.
+8 + (optimizer bytes)/N, the optimizer bytes per parameter measured here; at stage 2
+the weights are whole and each rank keeps its slice of the gradient and an updated copy
+of its slice of the weights, and at stage 3 each layer's gathered weights live until its
+backward: 4 + (8 + optimizer bytes)/N at both.
 
     .venv/bin/python benchmarks/zero.py [--ranks 2 4] [--steps 4]
 
@@ -202,7 +204,7 @@ def main() -> None:
         / parameters
 
     def tfdist_bytes_per_parameter(stage: int, n: int) -> float:
-        if stage == 3:
+        if stage >= 2:
             return 4 + (8 + optimizer_per_parameter) / n
         return 8 + optimizer_per_parameter / (n if stage else 1)
 

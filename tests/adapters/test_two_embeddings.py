@@ -2,7 +2,7 @@
 ranks: tfdist's own pair and keras-hub's BERT (a token, a segment and a position
 embedding), under horovod at zero_stage 0, 1, 2 and 3 with and without accumulation, and
 under mirrored and multi_worker; and keras-hub's GPT-2 (a tied embedding, read twice a
-step) at zero_stage 3.
+step) at zero_stage 2 and 3; both keras-hub models at stage 3 on 3 ranks too.
 
 Every collective a step issues goes in one order on every rank (tfdist.horovod.ordering):
 without it, zero_stage 1 on BERT waited for ever, each rank in the other's allgather. The
@@ -33,9 +33,14 @@ import embeddings_training as job  # noqa: E402
 HOROVOD_VARIANTS = {f"s{stage}_acc{accumulation}": [f"--stage={stage}",
                                                     f"--accumulation={accumulation}"]
                     for stage in (0, 1, 2, 3) for accumulation in (1, 2)}
-# GPT-2 at stage 3 only: its tied embedding is gathered twice a step, and its gradient is
-# the sum of both reads' before the reduce-scatter.
-GPT2_VARIANTS = {name: args for name, args in HOROVOD_VARIANTS.items() if name.startswith("s3")}
+# GPT-2 at stages 2 and 3, where the backward pass reduce-scatters each gradient: its tied
+# embedding is read twice a step, and its gradient must be the sum of both reads'.
+GPT2_VARIANTS = {name: args for name, args in HOROVOD_VARIANTS.items()
+                 if name.startswith(("s2", "s3"))}
+# Both keras-hub models at stage 3 on 3 ranks too: slices of unequal fill, padding.
+THREE_RANK_VARIANTS = {f"{kind}_{name}": [f"--model={kind}", *args]
+                       for kind in ("bert", "gpt2")
+                       for name, args in HOROVOD_VARIANTS.items() if name.startswith("s3")}
 
 
 def weights_of(folder, rank):
@@ -64,12 +69,15 @@ def check(folder, kind, ranks):
         assert difference < TOLERANCE, (folder.name, rank, difference)
 
 
-def launch_variants(kind, variants, tmp_path_factory):
-    """`variants` of model `kind`, in one `mpirun -np 2` launch: the folder they wrote."""
-    out = tmp_path_factory.mktemp(f"two_embeddings_{kind}")
-    arguments = {name: [f"--model={kind}", *args] for name, args in variants.items()}
+def launch_variants(kind, variants, tmp_path_factory, processes=2):
+    """`variants` of model `kind` (None: each variant names its own), in one `mpirun`
+    launch: the folder they wrote."""
+    out = tmp_path_factory.mktemp(f"two_embeddings_{kind}_{processes}")
+    arguments = {name: ([f"--model={kind}"] if kind else []) + list(args)
+                 for name, args in variants.items()}
     result = run_command(mpirun(sys.executable, SCRIPT, str(out), "--variants",
-                                json.dumps(arguments)), cwd=out, timeout=LAUNCH_BOUND_SECONDS)
+                                json.dumps(arguments), processes=processes),
+                         cwd=out, timeout=LAUNCH_BOUND_SECONDS)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return out
 
@@ -85,6 +93,11 @@ def gpt2_runs(tmp_path_factory):
     return launch_variants("gpt2", GPT2_VARIANTS, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def three_rank_runs(tmp_path_factory):
+    return launch_variants(None, THREE_RANK_VARIANTS, tmp_path_factory, processes=3)
+
+
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.parametrize("variant", sorted(HOROVOD_VARIANTS))
@@ -96,8 +109,15 @@ def test_horovod_equals_one_device(horovod_runs, variant):
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.parametrize("variant", sorted(GPT2_VARIANTS))
-def test_gpt2_with_its_tied_embedding_equals_one_device_at_stage_3(gpt2_runs, variant):
+def test_gpt2_with_its_tied_embedding_equals_one_device_at_stages_2_and_3(gpt2_runs, variant):
     check(gpt2_runs / variant, "gpt2", 2)
+
+
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.parametrize("variant", sorted(THREE_RANK_VARIANTS))
+def test_keras_hub_models_at_stage_3_on_3_ranks_equal_one_device(three_rank_runs, variant):
+    check(three_rank_runs / variant, variant.split("_")[0], 3)
 
 
 @pytest.mark.parametrize("kind", ["pair", "bert"])

@@ -105,7 +105,7 @@ def train(args):
 
     import tfdist
     from tfdist.sharding import find_sharded, state_bytes
-    from tfdist.sharding.weights import gradient_shape
+    from tfdist.sharding.weights import gradient_shape, is_sharded
 
     runner = tfdist.Runner(tfdist.load_config(overrides={
         "strategy": "horovod", "precision": args.precision, "zero_stage": args.stage,
@@ -150,8 +150,11 @@ def train(args):
               "largest_variable_bytes": max(int(np.prod(v.shape)) * 4
                                             for v in model.trainable_variables),
               # What this rank stores of the trainable weights (a slice of each at stage 3).
-              "weight_bytes": sum(int(np.prod(gradient_shape(v))) * 4
-                                  for v in model.trainable_variables),
+              "weight_bytes": sum(int(np.prod(v._value.shard.shape if is_sharded(v) else
+                                              v.shape)) * 4 for v in model.trainable_variables),
+              # What the backward pass gives it of each gradient (a slice at stages 2, 3).
+              "gradient_bytes": sum(int(np.prod(gradient_shape(v))) * 4
+                                    for v in model.trainable_variables),
               "partition": [] if sharded is None else [
                   [p.variable, p.start, p.stop] for p in sharded.partition]}
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):

@@ -234,8 +234,12 @@ class HorovodAdapter(Adapter):
             optimizer = type(optimizer).from_config({**config, "learning_rate": schedule})
             self._scaled_rates.append(schedule)
         if self.config.zero_stage:
-            return sharding.sharded_optimizer(optimizer, self._shard_collectives,
-                                              self.config.zero_stage)
+            # With accumulation, stage 2 reduce-scatters once per cycle, after the backward
+            # passes: its accumulators stay whole, rank-local sums a checkpoint can hold
+            # (sliced ones would need the shard files; stage 3 refuses that pair).
+            return sharding.sharded_optimizer(
+                optimizer, self._shard_collectives, self.config.zero_stage,
+                reduce_in_backward=self.config.accumulation_steps == 1)
         return GradientReducingOptimizer(optimizer, reduce_fn=self.gradient_reduce_fn())
 
     @functools.cached_property

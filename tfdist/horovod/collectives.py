@@ -53,8 +53,10 @@ def import_horovod() -> ModuleType:
 
 
 def tf_variable(variable: Any) -> tf.Variable:
-    """The `tf.Variable` under a Keras 3 variable (Horovod's ops take TensorFlow's own)."""
-    return variable.value if isinstance(variable, keras.Variable) else variable
+    """The `tf.Variable` under a Keras 3 variable (Horovod's ops take TensorFlow's own),
+    past a zero_stage 2 or 3 weight's read (`tfdist.sharding.weights`)."""
+    value = variable._value if isinstance(variable, keras.Variable) else variable
+    return sharding.stored_variable(value)
 
 
 # PyTorch DDP's default bucket: big enough that a bucket's fixed cost is small beside its
@@ -190,8 +192,8 @@ class ShardCollectives(sharding.ShardCollectives):
     Args:
         hvd: The `horovod.tensorflow` module, initialised.
         average: The gradient all-reduce of stage 1 (the adapter's, with its options).
-        before_update: Called where the gradients are reduced at stage 2 (the adapter's
-            preemption vote rides there).
+        before_update: Called once per update at stages 2 and 3, before the optimizer
+            updates (the adapter's preemption vote rides there).
 
     Example:
 
@@ -208,13 +210,6 @@ class ShardCollectives(sharding.ShardCollectives):
 
     def average(self, grads: list[Any]) -> list[Any]:
         return self._average(grads)
-
-    def average_slice(self, flat: tf.Tensor) -> tf.Tensor:
-        if self._before_update is not None:
-            self._before_update()
-        return in_step_order(functools.partial(
-            self._hvd.reducescatter, flat, op=self._hvd.Average, name="tfdist_zero_gradients",
-            ignore_name_scope=True))
 
     def concatenate(self, flat: tf.Tensor) -> tf.Tensor:
         return in_step_order(functools.partial(

@@ -258,10 +258,11 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _check_weights_whole_or_sliced(self) -> None:
         """Refuses, before reading it, a checkpoint whose weights are slices (zero_stage 3)
-        at another stage: its weights would not fit the whole variables."""
+        at stage 0 or 1: its weights would not fit the whole variables (stage 2 takes
+        them whole from the shard files, `ReduceScatteredWeight`)."""
         stage = getattr(self._sharded, "zero_stage", 0)
         saved = sharded_state.numbers(self.directory)
-        if stage == 3 or not saved:
+        if stage >= 2 or not saved:
             return
         try:
             with sharded_state.ShardReader(self.directory, max(saved)) as reader:
@@ -271,7 +272,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if sliced:
             raise ConfigError(f"checkpoint {max(saved)} in {self.directory} holds each weight "
                               f"as slices (saved with zero_stage 3); resume it with "
-                              f"zero_stage 3. Received: checkpoint_dir={self.directory!r}, "
+                              f"zero_stage 2 or 3. Received: checkpoint_dir={self.directory!r}, "
                               f"zero_stage={stage}")
 
     def _restore_shards(self, number: int) -> None:

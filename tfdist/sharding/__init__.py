@@ -2,8 +2,8 @@
 
 At stages 1 and 2 every data-parallel rank keeps the whole model, but only its
 partition of the optimizer's state (Adam's moments, momentum, EMA averages), as
-DeepSpeed's ZeRO and PyTorch's `ZeroRedundancyOptimizer` do; at stage 3 it stores only
-its slice of the weights too:
+DeepSpeed's ZeRO and PyTorch's `ZeroRedundancyOptimizer` do, and at stage 2 only its
+slice of each gradient; at stage 3 it stores only its slice of the weights too:
 
 - **Stage 1**: the variables are dealt out whole to the ranks, largest first to
   the least loaded, so a rank holds at most the mean plus the largest variable.
@@ -11,16 +11,17 @@ its slice of the weights too:
   the user's optimizer to the variables it owns, and the updated weights reach
   every rank in one all-gather. Any optimizer works, since every variable is
   updated whole.
-- **Stage 2**: all gradients form one flat buffer, padded to N equal slices; a
-  reduce-scatter gives each rank the averaged slice it updates, and an all-gather
-  of the updated slices gives every rank the new weights: the bytes of one
-  all-reduce. A variable cut by a slice boundary is updated in parts, so only
-  optimizers whose update is element-wise qualify (`ELEMENT_WISE`).
+- **Stage 2**: each variable is cut into N equal slices. The optimizer's build makes
+  each weight's read an op whose gradient is a reduce-scatter
+  (`ReduceScatteredWeight`), so the backward pass gives each rank its averaged slice
+  of each gradient as the layer's gradient appears; each rank updates its slices, and
+  an all-gather of each updated weight gives every rank the new weights: the bytes of
+  one all-reduce. Slices are updated apart, so only optimizers whose update is
+  element-wise qualify (`ELEMENT_WISE`).
 - **Stage 3**: each trainable variable is created as this rank's slice of it
   (`sharded_creation`, which `runner.scope()` enters), read through an all-gather
-  whose gradient is a reduce-scatter (`ShardedWeight`), so the backward pass yields
-  each rank's averaged slice of each gradient as the layer's gradient appears; the
-  optimizer updates the slices in place. Element-wise optimizers only.
+  whose gradient is the same reduce-scatter (`ShardedWeight`); the optimizer updates
+  the slices in place. Element-wise optimizers only.
 
 `sharded_optimizer(optimizer, collectives, stage)` returns an optimizer of the
 user's own class (a subclass with the same name and module, so a saved model
@@ -40,8 +41,10 @@ from tfdist.sharding.layout import Piece, ShardLayout
 from tfdist.sharding.optimizer import (ELEMENT_WISE, WEIGHT, check_stage, find_sharded,
                                        sharded_optimizer)
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order, state_bytes
-from tfdist.sharding.weights import ShardedWeight, is_sharded, sharded_creation
+from tfdist.sharding.weights import (ReduceScatteredWeight, ShardedWeight, is_sharded,
+                                     sharded_creation, stored_variable)
 
 __all__ = ["ELEMENT_WISE", "Other", "Piece", "ShardCollectives", "ShardLayout", "ShardPart",
-           "ShardedWeight", "Slot", "WEIGHT", "check_stage", "find_sharded", "is_sharded",
-           "plain_order", "sharded_creation", "sharded_optimizer", "state_bytes"]
+           "ReduceScatteredWeight", "ShardedWeight", "Slot", "WEIGHT", "check_stage",
+           "find_sharded", "is_sharded", "plain_order", "sharded_creation", "sharded_optimizer",
+           "state_bytes", "stored_variable"]

@@ -39,10 +39,6 @@ class ShardCollectives:
         """The gradients (tensors or `tf.IndexedSlices`) averaged across ranks."""
         raise NotImplementedError
 
-    def average_slice(self, flat: tf.Tensor) -> tf.Tensor:
-        """Rank r's equal slice of `flat` (1-D, a multiple of `size` long), averaged."""
-        raise NotImplementedError
-
     def concatenate(self, flat: tf.Tensor) -> tf.Tensor:
         """Every rank's `flat` (1-D, any length) concatenated in rank order."""
         raise NotImplementedError
@@ -53,12 +49,14 @@ class ShardCollectives:
 
     def gather(self, flat: tf.Tensor, name: str) -> tf.Tensor:
         """Every rank's `flat` (1-D, the same length on every rank) concatenated in rank
-        order, as an op named `name` on every rank (zero_stage 3: a weight's slices)."""
+        order, as an op named `name` on every rank (zero_stage 2 and 3: a weight's
+        slices)."""
         raise NotImplementedError
 
     def reduce_scatter(self, flat: tf.Tensor, name: str) -> tf.Tensor:
-        """Rank r's equal slice of `flat` averaged across ranks, as an op named `name`
-        (zero_stage 3: a weight's gradient, in the backward pass)."""
+        """Rank r's equal slice of `flat` (1-D, a multiple of `size` long) averaged across
+        ranks, as an op named `name` (zero_stage 2 and 3: a weight's gradient, in the
+        backward pass)."""
         raise NotImplementedError
 
     def broadcast(self, value: tf.Tensor, name: str) -> tf.Tensor:
@@ -66,5 +64,5 @@ class ShardCollectives:
         raise NotImplementedError
 
     def before_update(self) -> None:
-        """Called once per update, in the step, before the optimizer updates (zero_stage 3:
-        the gradients were reduced in the backward pass already)."""
+        """Called once per update, in the step, before the optimizer updates (zero_stage 2
+        and 3: the gradients were reduced in the backward pass already)."""

@@ -1,17 +1,17 @@
 """Which rank updates which elements of the trainable variables, at ZeRO stage 1, 2 or 3.
 
-Stage 1 deals whole variables out, largest first to the least loaded rank; stage 2
-cuts all of them, as one flat buffer padded to N equal slices, into one slice per
-rank; stage 3 cuts each variable alone into N equal slices (each rank stores its
-slice of every variable, `tfdist.sharding.weights`). Each gives each rank its pieces (a
-variable's flat element range) and, at stages 1 and 2, where each variable's elements sit
-in the buffer the ranks gather.
+Stage 1 deals whole variables out, largest first to the least loaded rank; stages 2
+and 3 cut each variable alone into N equal slices, one per rank (the backward pass
+reduce-scatters each gradient into those slices, `tfdist.sharding.weights`; at stage 3
+they are also how the weights are stored). Each gives each rank its pieces (a
+variable's flat element range) and, at stage 1, where each variable's elements sit in
+the buffer the ranks gather.
 
 Example:
 
     layout = ShardLayout([320, 1024, 16], ranks=2, stage=2)
-    layout.pieces(0)          # [Piece(0, 0, 320, True), Piece(1, 0, 360, False)]
-    layout.position[1]        # 320: where variable 1 starts in the gathered buffer
+    layout.pieces(1)          # [Piece(0, 160, 320, False), Piece(1, 512, 1024, False), ...]
+    layout.widths             # [160, 512, 8]: each rank's slice of each, padding included
 """
 
 from __future__ import annotations
@@ -40,20 +40,19 @@ class ShardLayout:
     Args:
         sizes: Elements of each trainable variable, in order.
         ranks: The number of ranks.
-        stage: 1 (whole variables, balanced by size), 2 (flat equal slices) or 3 (equal
-            slices of each variable; a rank's piece of a variable may be empty).
+        stage: 1 (whole variables, balanced by size), 2 or 3 (equal slices of each
+            variable; a rank's piece of a variable may be empty).
 
     Example:
 
-        layout = ShardLayout([6, 2, 4], ranks=2, stage=2)
-        layout.pieces(1)      # [Piece(1, 0, 2, True), Piece(2, 0, 4, True)]: elements 6-11
+        layout = ShardLayout([6, 2, 4], ranks=2, stage=1)
+        layout.pieces(1)      # [Piece(1, 0, 2, True), Piece(2, 0, 4, True)]: 6 elements
     """
 
     def __init__(self, sizes: Sequence[int], ranks: int, stage: int):
         self.sizes = [int(size) for size in sizes]
         self.ranks = ranks
         self.stage = stage
-        total = sum(self.sizes)
         offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
         if stage == 1:
             owners = _balanced_owners(self.sizes, ranks)
@@ -66,9 +65,10 @@ class ShardLayout:
                 for piece in pieces:
                     self.position[piece.variable] = where
                     where += piece.stop
-        elif stage == 3:
-            # Every variable cut alone into N equal slices (the last ones padded): each
-            # rank stores its slice of each, and a variable is gathered by itself.
+        else:
+            # Stages 2 and 3: every variable cut alone into N equal slices (the last ones
+            # padded): each rank's gradient of a variable is its slice, reduce-scattered
+            # as the backward pass produces it, and a variable is gathered by itself.
             self.widths = [max(1, math.ceil(size / ranks)) for size in self.sizes]
             self._slices = [sum(self.widths)] * ranks
             self.position = offsets[:-1]
@@ -76,19 +76,6 @@ class ShardLayout:
                                    False)
                              for index, (size, width) in enumerate(zip(self.sizes, self.widths))]
                             for rank in range(ranks)]
-        else:
-            width = max(1, math.ceil(total / ranks))
-            self._slices = [width] * ranks
-            self.position = offsets[:-1]
-            self._pieces = []
-            for rank in range(ranks):
-                low, high = rank * width, (rank + 1) * width
-                self._pieces.append([
-                    Piece(index, max(low, offsets[index]) - offsets[index],
-                          min(high, offsets[index + 1]) - offsets[index],
-                          low <= offsets[index] and offsets[index + 1] <= high)
-                    for index in range(len(self.sizes))
-                    if max(low, offsets[index]) < min(high, offsets[index + 1])])
 
     def pieces(self, rank: int) -> list[Piece]:
         """The elements rank `rank` updates, in the order of its gathered contribution."""

@@ -3,8 +3,9 @@
 `sharded_optimizer(opt, collectives, stage)` returns an optimizer of `opt`'s class (a
 subclass with the same name and module, so a saved model loads in plain Keras) whose
 `build` creates state for the rank's pieces only (`tfdist.sharding.layout`) and whose
-`apply` averages (stage 1) or reduce-scatters (stage 2) the gradients, updates the
-pieces, and all-gathers the weights.
+`apply` updates the pieces from the averaged gradients (stage 1) or from this rank's
+slices of them, reduce-scattered in the backward pass (stages 2 and 3), and then
+all-gathers the weights (stages 1 and 2).
 
 Example:
 
@@ -26,7 +27,7 @@ from tfdist.patches.keras_optimizer import sum_repeated_rows
 from tfdist.sharding.layout import Piece, ShardLayout
 from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order
-from tfdist.sharding.weights import is_sharded
+from tfdist.sharding.weights import is_sharded, reduce_scattered
 
 # The name of the weights' slices in a rank's shard file (`shard_state`, zero_stage 3).
 WEIGHT = "tfdist_weight"
@@ -59,6 +60,9 @@ class _Shard:
         self.plain: list[Slot | Other] = []  # `plain_order` of the unsharded optimizer.
         self.recording = False
         self.saved_state: SavedState | None = None  # Set at the end of each fit.
+        # Built inside the first `apply` (a custom loop): that step's gradients were
+        # computed whole, before the build made them reduce-scattered (zero_stage 2).
+        self.whole_gradients_once = False
         with tf.init_scope():
             self.sink = tf.Variable(0.0, trainable=False, name="tfdist_zero_sink")
             self.zero = tf.Variable(0.0, trainable=False, name="tfdist_zero")
@@ -69,6 +73,7 @@ class _ShardedMixin:
 
     _collectives: ShardCollectives
     zero_stage: int
+    reduce_in_backward: bool
 
     def build(self, var_list: Sequence[Any]) -> None:
         variables = list(var_list)
@@ -93,16 +98,19 @@ class _ShardedMixin:
                                                       trainable=True) for v in variables]
                 for variable in variables:
                     variable._value.version = self._step
-            else:
-                # A piece that is a whole variable is updated in place; a part of one is
-                # updated in a copy, refreshed from the variable before every update (the
-                # variable stays the truth: a broadcast or a restore changes it under the
-                # optimizer).
+            elif self.zero_stage == 2:
+                # The weights stay whole; their gradients come reduce-scattered from the
+                # backward pass (or, without `reduce_in_backward`, here, after it). This
+                # rank's slice of each is updated in a copy, refreshed from the weight
+                # before every update (the weight stays the truth: a broadcast or a
+                # restore changes it under the optimizer).
+                reduce_scattered(variables, self._collectives, self.reduce_in_backward)
                 self._shard.targets = [
-                    variables[piece.variable] if piece.whole else keras.Variable(
-                        tf.reshape(variables[piece.variable], [-1])[piece.start:piece.stop],
-                        name=variables[piece.variable].name, trainable=True)
-                    for piece in self._shard.owned]
+                    keras.Variable(variable._value.slice_of(variable.value), name=variable.name,
+                                   trainable=True) for variable in variables]
+            else:
+                # Stage 1: each owned variable whole, updated in place.
+                self._shard.targets = [variables[piece.variable] for piece in self._shard.owned]
         excluded = [target for piece, target in zip(self._shard.owned, self._shard.targets)
                     if not piece.whole and not self._use_weight_decay(variables[piece.variable])]
         if excluded and getattr(self, "weight_decay", None) is not None:
@@ -155,23 +163,28 @@ class _ShardedMixin:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
+            self._shard.whole_gradients_once = True
         grads = list(grads)
         if self.zero_stage == 3:
             # The slices are the weights: updated in place, nothing to gather after.
-            super().apply(self._stage3_gradients(grads), self._shard.targets)
+            super().apply(self._sliced_gradients(grads), self._shard.targets)
             return
         if self.zero_stage == 1:
             mine = self._stage1_gradients(grads)
-        else:
-            mine = self._stage2_gradients(grads)
-        for piece, target in zip(self._shard.owned, self._shard.targets):
-            if not piece.whole:
-                variable = self._shard.variables[piece.variable]
-                target.assign(tf.reshape(variable, [-1])[piece.start:piece.stop])
-        if self._shard.owned:
-            super().apply(mine, self._shard.targets)
-        else:
-            self.iterations.assign_add(1)
+            if self._shard.owned:
+                super().apply(mine, self._shard.targets)
+            else:
+                self.iterations.assign_add(1)
+            self._gather_weights()
+            return
+        if self._shard.whole_gradients_once or not self.reduce_in_backward:
+            self._shard.whole_gradients_once = False
+            grads = [None if grad is None else variable._value.reduce_scatter_gradient(grad)
+                     for grad, variable in zip(grads, self._shard.variables)]
+        mine = self._sliced_gradients(grads)
+        for variable, target in zip(self._shard.variables, self._shard.targets):
+            target.assign(variable._value.slice_of(variable.value))
+        super().apply(mine, self._shard.targets)
         self._gather_weights()
 
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
@@ -239,7 +252,7 @@ class _ShardedMixin:
                 tf.reduce_sum(tf.cast(tf.reshape(part, [-1])[:1], tf.float32)) for part in parts]))
         return [grads[piece.variable] for piece in self._shard.owned]
 
-    def _stage3_gradients(self, grads: list[Any]) -> list[Any]:
+    def _sliced_gradients(self, grads: list[Any]) -> list[Any]:
         """Each variable's slice of the averaged gradient (reduce-scattered in the backward
         pass, `tfdist.sharding.weights`), clipped as one device clips the whole."""
         self._collectives.before_update()
@@ -262,30 +275,6 @@ class _ShardedMixin:
     def _step(self) -> int:
         return int(self.iterations.numpy())
 
-    def _stage2_gradients(self, grads: list[Any]) -> list[Any]:
-        variables, layout = self._shard.variables, self._shard.layout
-        dtype = variables[0].dtype if variables else tf.float32
-        flat = [tf.zeros([size], dtype) if grad is None else
-                tf.reshape(tf.cast(tf.convert_to_tensor(grad), dtype), [-1])
-                for grad, size in zip(grads, layout.sizes)]
-        padding = layout.slice_size(0) * layout.ranks - sum(layout.sizes)
-        mine = self._collectives.average_slice(tf.concat(flat + [tf.zeros([padding], dtype)], 0))
-        if getattr(self, "global_clipnorm", None):
-            mine = mine * self._global_scale(self._collectives.sum(tf.reduce_sum(tf.square(mine))))
-        start = layout.slice_start(self._collectives.rank)
-        pieces = [mine[layout.position[p.variable] + p.start - start:
-                       layout.position[p.variable] + p.stop - start] for p in self._shard.owned]
-        if getattr(self, "clipnorm", None):
-            # Each variable's norm, from the parts every rank holds of it.
-            squares = tf.math.unsorted_segment_sum(
-                tf.stack([tf.reduce_sum(tf.square(g)) for g in pieces] or [tf.zeros([], dtype)]),
-                [p.variable for p in self._shard.owned] or [0], len(variables))
-            norms = tf.sqrt(self._collectives.sum(squares))
-            pieces = [g * self.clipnorm / tf.maximum(norms[p.variable], self.clipnorm)
-                      for g, p in zip(pieces, self._shard.owned)]
-        return [tf.reshape(g, variables[p.variable].shape) if p.whole else g
-                for g, p in zip(pieces, self._shard.owned)]
-
     def _global_scale(self, sum_of_squares: tf.Tensor) -> tf.Tensor:
         """Keras's `clip_by_global_norm` factor (NaN when the norm is not finite)."""
         norm = tf.sqrt(sum_of_squares)
@@ -294,6 +283,15 @@ class _ShardedMixin:
 
     def _gather_weights(self) -> None:
         """Every rank's updated elements into every rank's variables."""
+        if self.zero_stage == 2:
+            # One variable at a time: the whole weights are never gathered at once.
+            for index, (variable, target) in enumerate(zip(self._shard.variables,
+                                                           self._shard.targets)):
+                gathered = self._collectives.gather(tf.convert_to_tensor(target),
+                                                    name=f"tfdist_zero2_weight_{index}")
+                variable.assign(tf.reshape(gathered[:self._shard.layout.sizes[index]],
+                                           variable.shape))
+            return
         gathered = self._collectives.concatenate(self._contribution(self._shard.targets))
         owned = {p.variable for p in self._shard.owned if p.whole}
         for index, variable in enumerate(self._shard.variables):
@@ -336,9 +334,14 @@ class _ShardedMixin:
 
         Args:
             read: Reads elements [start, stop) of slot `name` of variable `variable`.
-            weights: At stage 3, the files hold the weights' slices too (saved at stage
-                3): set them (saved at stage 1 or 2, the checkpoint had them whole).
+            weights: The files hold the weights too (saved at stage 3, where the chief's
+                checkpoint has only its slice of each): set them. Saved at stage 1 or 2,
+                the checkpoint had them whole.
         """
+        if self.zero_stage == 2 and weights:
+            for index, variable in enumerate(self._shard.variables):
+                size = self._shard.layout.sizes[index]
+                variable.assign(np.reshape(read(index, WEIGHT, 0, size), variable.shape))
         owned = [(slot, i, name) for (i, name), slot in self._shard.slots.items()]
         if self.zero_stage == 3 and weights:
             owned += [(target, i, WEIGHT) for i, target in enumerate(self._shard.targets)]
@@ -357,7 +360,7 @@ class _ShardedMixin:
         Args:
             keep: Return what was gathered; False: take part only (an empty dict).
         """
-        if self.zero_stage == 3:
+        if self.zero_stage >= 2:
             return self._gather_full_state_by_variable(keep)
         full = {}
         for name in self._shard.slot_names:
@@ -372,14 +375,14 @@ class _ShardedMixin:
         return full
 
     def _gather_full_state_by_variable(self, keep: bool) -> dict[tuple[int, str], np.ndarray]:
-        """Stage 3's `gather_full_state`: each slot of each variable gathered alone."""
+        """Stages 2 and 3's `gather_full_state`: each slot of each variable gathered alone."""
         full = {}
         for name in self._shard.slot_names:
             for index, variable in enumerate(self._shard.variables):
                 with tf.device("/cpu:0"):
                     gathered = self._collectives.gather(
                         tf.convert_to_tensor(self._shard.slots[(index, name)]),
-                        name=f"tfdist_zero3_state_{index}_{name}").numpy()
+                        name=f"tfdist_zero_state_{index}_{name}").numpy()
                 if keep:
                     size = self._shard.layout.sizes[index]
                     full[(index, name)] = gathered[:size].reshape(variable.shape)
@@ -453,15 +456,20 @@ def check_stage(stage: int, optimizer: keras.optimizers.Optimizer) -> None:
 
 
 def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardCollectives,
-                      stage: int) -> keras.optimizers.Optimizer:
+                      stage: int, reduce_in_backward: bool = True) -> keras.optimizers.Optimizer:
     """`optimizer`'s class and config, holding and updating only this rank's partition.
 
     Args:
         optimizer: The user's Keras optimizer (not built yet; its config is taken).
         collectives: The ranks' communicator.
-        stage: 1 (whole variables dealt out; gradients averaged), 2 (flat slices;
-            gradients reduce-scattered) or 3 (the model's variables stored sharded,
-            `tfdist.sharding.weights`; gradients reduce-scattered in the backward pass).
+        stage: 1 (whole variables dealt out; gradients averaged), 2 (an equal slice
+            of each variable per rank; gradients reduce-scattered in the backward pass,
+            `tfdist.sharding.weights`) or 3 (as 2, with the model's variables stored
+            as those slices).
+        reduce_in_backward: At stage 2, reduce-scatter each gradient in the backward
+            pass (True), or once per update, after it (False: with gradient
+            accumulation, whose accumulators then stay whole and are checkpointed as
+            without sharding). Stage 3 always reduces in the backward pass.
 
     Raises:
         ConfigError: an optimizer that is not element-wise at stage 2 (`ELEMENT_WISE`).
@@ -474,6 +482,7 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
     sharded = recreated(optimizer, _sharded_class(type(optimizer)))
     sharded._collectives = collectives
     sharded.zero_stage = stage
+    sharded.reduce_in_backward = reduce_in_backward or stage == 3
     return sharded
 
 

@@ -1,4 +1,10 @@
-"""Weights stored sharded (ZeRO stage 3): each rank holds 1/N of every trainable variable.
+"""Weights whose gradients are reduce-scattered in the backward pass (ZeRO stages 2 and 3).
+
+At stage 2 a weight stays whole on every rank (`ReduceScatteredWeight`); at stage 3 each
+rank holds 1/N of it (`ShardedWeight`). Either way a read of the weight in a step is an
+op whose gradient is a reduce-scatter, so the backward pass gives each rank its
+averaged slice of each gradient as soon as the layer's gradient exists: the whole
+gradient of the model never exists at once.
 
 Under `sharded_creation(collectives)`, each trainable variable a Keras layer creates
 is stored on this rank as its slice only: the initial value is computed, made rank
@@ -9,9 +15,7 @@ never exists on one rank.
 The Keras variable stays the user's own (its name, path and shape are the whole
 variable's); what it holds in place of its `tf.Variable` is a `ShardedWeight`. Every
 read of it (a layer's `self.kernel` in its `call`) is an all-gather of the slices,
-whose gradient is a reduce-scatter: the backward pass turns each weight's gradient
-into this rank's averaged slice as soon as the layer's gradient exists, so the whole
-gradient of the model never exists at once. The optimizer (`tfdist.sharding.optimizer`)
+whose gradient is a reduce-scatter. The optimizer (`tfdist.sharding.optimizer`)
 then updates the rank's slices in place; no weights are gathered after the update.
 
 Example:
@@ -27,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -35,7 +39,161 @@ import tensorflow as tf
 from tfdist.sharding.collectives import ShardCollectives
 
 
-class ShardedWeight:
+class _StoredWeight:
+    """What a Keras variable holds in place of its `tf.Variable` when its reads differ.
+
+    Keras reads a variable with `tf.convert_to_tensor` (a registered conversion calls
+    `read_value`) and differentiates with respect to its `handle`; everything else a
+    variable answers comes from `storage`, the `tf.Variable` that holds the bytes.
+    """
+
+    _should_act_as_resource_variable = True
+    _prefix = "tfdist_zero"  # Names the collectives, with the variable's index.
+    gradient_sliced = True  # Whether the backward pass gives this rank a slice.
+
+    def __init__(self, storage: tf.Variable, collectives: ShardCollectives, index: int):
+        self.storage = storage
+        self._collectives = collectives
+        self._index = index
+
+    @property
+    def dtype(self) -> tf.DType:
+        return self.storage.dtype
+
+    @property
+    def name(self) -> str:
+        return self.storage.name
+
+    @property
+    def trainable(self) -> bool:
+        return self.storage.trainable
+
+    @property
+    def synchronization(self) -> tf.VariableSynchronization:
+        return self.storage.synchronization
+
+    @property
+    def aggregation(self) -> tf.VariableAggregation:
+        return self.storage.aggregation
+
+    @property
+    def device(self) -> str:
+        return self.storage.device
+
+    @property
+    def handle(self) -> tf.Tensor:
+        # What `tf.GradientTape.gradient` differentiates with respect to.
+        return self.storage.handle
+
+    @property
+    def _shared_name(self) -> str:
+        return self.storage._shared_name
+
+    def value(self) -> tf.Tensor:
+        return self.read_value()
+
+    def read_value(self) -> tf.Tensor:
+        raise NotImplementedError
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def reduce_scatter_gradient(self, upstream: Any) -> tf.Tensor:
+        """This rank's averaged slice of the whole gradient `upstream` (a collective).
+
+        A sparse gradient (an Embedding's rows) is summed into a dense one here: repeated
+        rows add exactly, as one device's update adds them.
+        """
+        flat = tf.reshape(tf.convert_to_tensor(upstream), [-1])
+        padded = tf.pad(flat, [[0, self.width * self._collectives.size - self.size]])
+        return self._collectives.reduce_scatter(
+            padded, name=f"{self._prefix}_gradient_{self._index}")
+
+    def slice_of(self, value: Any) -> tf.Tensor:
+        """This rank's slice of a whole value, flattened and padded with zeros to `width`."""
+        flat = tf.reshape(tf.cast(tf.convert_to_tensor(value), self.dtype), [-1])
+        start = min(self._collectives.rank * self.width, self.size)
+        stop = min(start + self.width, self.size)
+        return tf.pad(flat[start:stop], [[0, self.width - (stop - start)]])
+
+
+class ReduceScatteredWeight(_StoredWeight):
+    """What a Keras variable holds at zero_stage 2: the whole weight, whose gradient is
+    reduce-scattered in the backward pass.
+
+    Reading it is reading the weight; the gradient of the read is this rank's slice of
+    the gradient averaged across ranks (`width` elements of the flattened, padded
+    gradient), produced as soon as the layer's gradient exists. So the whole gradient of
+    the model never exists at once, and no buffer of all gradients is built after the
+    backward pass.
+
+    Args:
+        storage: The weight, a `tf.Variable` (whole).
+        collectives: The ranks' communicator.
+        index: The variable's place among the trainable variables: it names its
+            reduce-scatter, identically on every rank.
+        in_backward: False: reads are plain reads, and the gradient stays whole until
+            the optimizer reduce-scatters it (`reduce_scatter_gradient`).
+
+    Example:
+
+        weight = ReduceScatteredWeight(keras_variable.value, collectives, 0)
+        keras_variable._value = weight      # what the sharded optimizer's build does
+    """
+
+    _prefix = "tfdist_zero2"
+
+    def __init__(self, storage: tf.Variable, collectives: ShardCollectives, index: int,
+                 in_backward: bool = True):
+        super().__init__(storage, collectives, index)
+        self.size = int(storage.shape.num_elements())
+        self.width = max(1, math.ceil(self.size / collectives.size))
+        self.gradient_sliced = in_backward
+
+    @property
+    def shape(self) -> tf.TensorShape:
+        return self.storage.shape
+
+    @property
+    def _unique_id(self) -> str:
+        # The same key as the variable's: Keras's optimizer finds a variable's state by it.
+        return self.storage._unique_id
+
+    def read_value(self) -> tf.Tensor:
+        if not self.gradient_sliced:
+            return self.storage.read_value()
+
+        @tf.custom_gradient
+        def whole(value: tf.Tensor) -> Any:
+            return tf.identity(value), self.reduce_scatter_gradient
+
+        return whole(self.storage.read_value())
+
+    def numpy(self) -> np.ndarray:
+        return self.storage.numpy()
+
+    def assign(self, value: Any, use_locking: bool = False, name: str | None = None,
+               read_value: bool = True) -> Any:
+        return self.storage.assign(value, use_locking=use_locking, name=name,
+                                   read_value=read_value)
+
+    def _serialize_to_tensors(self) -> dict[str, Any]:
+        return self.storage._serialize_to_tensors()
+
+    def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
+        value = restored_tensors["VARIABLE_VALUE"]
+        if value.shape == self.shape:
+            return self.storage.assign(value)
+        # A slice (a checkpoint of zero_stage 3): the whole weight is in the shard files
+        # (`load_shard_state`).
+        return tf.no_op()
+
+    def __repr__(self) -> str:
+        return (f"<ReduceScatteredWeight {self.name} shape={self.shape} gradient slice="
+                f"{self.width} of {self._collectives.size} ranks>")
+
+
+class ShardedWeight(_StoredWeight):
     """What a Keras variable holds at zero_stage 3 in place of its `tf.Variable`.
 
     `shard` is this rank's slice of the flattened variable, padded so that every rank's
@@ -58,70 +216,30 @@ class ShardedWeight:
         tf.convert_to_tensor(weight).shape  # the whole shape (a collective)
     """
 
-    _should_act_as_resource_variable = True
+    _prefix = "tfdist_zero3"
 
     def __init__(self, shard: tf.Variable, shape: tf.TensorShape, collectives: ShardCollectives,
                  index: int):
+        super().__init__(shard, collectives, index)
         self.shard = shard
         self.whole_shape = tf.TensorShape(shape)
         self.size = int(self.whole_shape.num_elements())
         self.width = int(shard.shape[0])
-        self._collectives = collectives
-        self._index = index
         # The whole value gathered at the end of a fit, for `model.save()` on the chief
         # alone, and the optimizer step it belongs to (`version()` is the current step).
         self.saved: tuple[int, np.ndarray] | None = None
         self.version: Callable[[], int] | None = None
-
-    # --- what Keras and TensorFlow read of a variable ----------------------------------
-
-    @property
-    def dtype(self) -> tf.DType:
-        return self.shard.dtype
 
     @property
     def shape(self) -> tf.TensorShape:
         return self.whole_shape
 
     @property
-    def name(self) -> str:
-        return self.shard.name
-
-    @property
-    def trainable(self) -> bool:
-        return self.shard.trainable
-
-    @property
-    def synchronization(self) -> tf.VariableSynchronization:
-        return self.shard.synchronization
-
-    @property
-    def aggregation(self) -> tf.VariableAggregation:
-        return self.shard.aggregation
-
-    @property
-    def device(self) -> str:
-        return self.shard.device
-
-    @property
-    def handle(self) -> tf.Tensor:
-        # What `tf.GradientTape.gradient` differentiates with respect to: the slice. The
-        # gradient it returns for the Keras variable is then this rank's slice.
-        return self.shard.handle
-
-    @property
     def _unique_id(self) -> str:
         return f"{self.shard._unique_id}_sharded"
 
-    @property
-    def _shared_name(self) -> str:
-        return self.shard._shared_name
-
     def read_value(self) -> tf.Tensor:
         """The whole value (a collective: every rank reads it, in the same order)."""
-        return self._gathered()
-
-    def value(self) -> tf.Tensor:
         return self._gathered()
 
     def numpy(self) -> np.ndarray:
@@ -132,9 +250,6 @@ class ShardedWeight:
             return self.saved[1]
         return self._gathered().numpy()
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return np.asarray(self.numpy(), dtype=dtype)
-
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None,
                read_value: bool = True) -> Any:
         """Stores this rank's slice of the whole `value` (every rank assigns the same)."""
@@ -142,29 +257,12 @@ class ShardedWeight:
         self.shard.assign(self.slice_of(value))
         return value
 
-    def slice_of(self, value: Any) -> tf.Tensor:
-        """This rank's slice of a whole value, padded with zeros to `width`."""
-        flat = tf.reshape(tf.cast(tf.convert_to_tensor(value), self.dtype), [-1])
-        start = min(self._collectives.rank * self.width, self.size)
-        stop = min(start + self.width, self.size)
-        return tf.pad(flat[start:stop], [[0, self.width - (stop - start)]])
-
     def _gathered(self) -> tf.Tensor:
-        collectives, index = self._collectives, self._index
-        size, width, shape = self.size, self.width, self.whole_shape
-
         @tf.custom_gradient
         def whole(piece: tf.Tensor) -> Any:
-            gathered = collectives.gather(piece, name=f"tfdist_zero3_weight_{index}")
-
-            def gradient(upstream: Any) -> tf.Tensor:
-                # A sparse gradient (an Embedding's rows) is summed into a dense one here:
-                # repeated rows add exactly, as one device's update adds them.
-                flat = tf.reshape(tf.convert_to_tensor(upstream), [-1])
-                padded = tf.pad(flat, [[0, width * collectives.size - size]])
-                return collectives.reduce_scatter(padded, name=f"tfdist_zero3_gradient_{index}")
-
-            return tf.reshape(gathered[:size], shape), gradient
+            gathered = self._collectives.gather(piece, name=f"tfdist_zero3_weight_{self._index}")
+            return (tf.reshape(gathered[:self.size], self.whole_shape),
+                    self.reduce_scatter_gradient)
 
         return whole(self.shard.read_value())
 
@@ -188,7 +286,7 @@ class ShardedWeight:
                 f"{self._collectives.size} ranks>")
 
 
-def _converted(weight: ShardedWeight, dtype: Any = None, name: str | None = None,
+def _converted(weight: _StoredWeight, dtype: Any = None, name: str | None = None,
                as_ref: bool = False) -> tf.Tensor:
     del name, as_ref
     value = weight.read_value()
@@ -196,6 +294,7 @@ def _converted(weight: ShardedWeight, dtype: Any = None, name: str | None = None
 
 
 tf.register_tensor_conversion_function(ShardedWeight, _converted)
+tf.register_tensor_conversion_function(ReduceScatteredWeight, _converted)
 
 
 # Names each sharded variable's collectives: every rank creates the same variables in the
@@ -208,10 +307,48 @@ def is_sharded(variable: Any) -> bool:
     return isinstance(getattr(variable, "_value", variable), ShardedWeight)
 
 
+def stored_variable(value: Any) -> Any:
+    """The `tf.Variable` that holds a zero_stage 2 or 3 weight's bytes (at stage 3, this
+    rank's slice); any other value as it is."""
+    return value.storage if isinstance(value, _StoredWeight) else value
+
+
+def gradient_is_sliced(variable: Any) -> bool:
+    """Whether the backward pass gives this rank a slice of `variable`'s gradient
+    (zero_stage 2 and 3: reduce-scattered as the layer's gradient appears)."""
+    value = getattr(variable, "_value", variable)
+    return isinstance(value, _StoredWeight) and value.gradient_sliced
+
+
 def gradient_shape(variable: Any) -> tf.TensorShape:
-    """The shape of `variable`'s gradient in the train step: its stored slice's at
-    zero_stage 3 (the backward pass reduce-scatters it), else its own."""
-    return variable._value.shard.shape if is_sharded(variable) else variable.shape
+    """The shape of `variable`'s gradient in the train step: this rank's slice at
+    zero_stage 2 and 3 (the backward pass reduce-scatters it), else its own."""
+    if gradient_is_sliced(variable):
+        return tf.TensorShape([variable._value.width])
+    return variable.shape
+
+
+def reduce_scattered(variables: Sequence[Any], collectives: ShardCollectives,
+                     in_backward: bool = True) -> None:
+    """From now on, the gradients of these Keras variables are reduce-scattered, in the
+    backward pass or when asked (`ReduceScatteredWeight`); their values stay whole.
+
+    Every rank must pass the same variables in the same order (a model's
+    `trainable_variables`).
+
+    Args:
+        variables: Keras variables (whole, or wrapped by an earlier call).
+        collectives: The ranks' communicator.
+        in_backward: Reduce-scatter in the backward pass; False: when the optimizer
+            calls `reduce_scatter_gradient`.
+
+    Example:
+
+        reduce_scattered(model.trainable_variables, collectives)  # zero_stage 2's build
+    """
+    for index, variable in enumerate(variables):
+        variable._value = ReduceScatteredWeight(stored_variable(variable._value), collectives,
+                                                index, in_backward)
 
 
 @contextlib.contextmanager
