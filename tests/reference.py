@@ -46,14 +46,18 @@ def examples(count: int, *, seed: int = 0, embedding: bool = False,
     return features, labels
 
 
-def make_model(*, hidden: int = 16, embedding: bool = False) -> keras.Model:
+def make_model(*, hidden: int = 16, embedding: bool = False,
+               with_input: bool = True) -> keras.Model:
     """An MLP (with `embedding`, an Embedding layer in front: sparse gradients).
 
     The softmax is its own float32 layer, so the output is float32 under mixed precision.
+    Without `with_input`, the model has no `keras.Input`: its layers are built, and draw
+    their weights, on the first batch.
     """
-    inputs = ([keras.Input((FEATURES,), dtype="int32"),
-               keras.layers.Embedding(VOCABULARY, 8, name="table"), keras.layers.Flatten()]
-              if embedding else [keras.Input((FEATURES,))])
+    first = [keras.Input((FEATURES,), dtype="int32" if embedding else "float32")] if (
+        with_input) else []
+    inputs = ([*first, keras.layers.Embedding(VOCABULARY, 8, name="table"),
+               keras.layers.Flatten()] if embedding else first)
     return keras.Sequential([*inputs, keras.layers.Dense(hidden, activation="relu", name="hidden"),
                              keras.layers.Dense(CLASSES, name="out"),
                              keras.layers.Activation("softmax", dtype="float32")])

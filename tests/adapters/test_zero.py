@@ -189,10 +189,10 @@ def one_device(optimizer, model="embedding", epochs=2):
         runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device",
                                                              "precision": "float32"}))
         with runner.scope():
-            made = job.make_model(model)
             if model == "deferred":  # Built in fit, from rank 0's seed.
                 keras.utils.set_random_seed(job.DEFERRED_SEED)
-            else:
+            made = job.make_model(model)
+            if model != "deferred":
                 made.set_weights(job.initial_weights(model))
             made.compile(runner.optimizer(job.optimizers()[optimizer]()),
                          "sparse_categorical_crossentropy")

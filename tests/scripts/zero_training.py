@@ -60,7 +60,9 @@ def make_model(kind):
     if kind == "embedding":
         return reference.make_model(embedding=True)
     if kind == "deferred":
-        return keras.Sequential(reference.make_model(embedding=True).layers)
+        # New layers (those of a model with a keras.Input would be built already, their
+        # weights drawn from whatever state the process's random generator was in).
+        return keras.Sequential(reference.make_model(embedding=True, with_input=False).layers)
     if kind == "unbuilt":  # Layers that create their variables in fit, on the first batch.
         return keras.Sequential([keras.layers.Embedding(reference.VOCABULARY, 8),
                                  keras.layers.Flatten(), keras.layers.Dense(reference.CLASSES)])
@@ -114,12 +116,13 @@ def train(args):
 
     rank, ranks = hvd.rank(), hvd.size()
     with runner.scope():
-        model = make_model(args.model)
         if args.model in ("deferred", "unbuilt"):
-            # Its weights are drawn in fit, from a seed of each rank's own: only the
-            # broadcast of rank 0's makes the ranks start alike.
+            # Its weights are drawn in fit, from a seed of each rank's own (Keras draws
+            # each initializer's seed as the layer is made): only the broadcast of rank
+            # 0's makes the ranks start alike.
             keras.utils.set_random_seed(DEFERRED_SEED + rank)
-        else:
+        model = make_model(args.model)
+        if args.model not in ("deferred", "unbuilt"):
             # (At zero_stage 3 the model made here is stored sharded too, and its
             # get_weights gathers on every rank alike.)
             model.set_weights(initial_weights(args.model))
