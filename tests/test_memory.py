@@ -11,9 +11,11 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.conftest import TFDIST, last_json_line, run_command
-from tfdist.memory import PeakMemory, allocator_bytes, counted_devices
+from tfdist.cluster import cpu_allocator_counts
+from tfdist.memory import AllocatorBytes, PeakMemory, allocator_bytes, counted_devices
 
 MIB = 2**20
 BFC = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
@@ -42,6 +44,34 @@ def test_a_plain_cpu_keeps_no_figures_and_the_callback_says_none():
     model.compile("sgd", "mse")
     model.fit(np.zeros((4, 2)), np.zeros((4, 1)), verbose=0, callbacks=[peak])
     assert peak.bytes is None and peak.to_dict() is None
+
+
+def test_a_plain_cpu_allocator_that_answers_zeros_still_keeps_no_figures(monkeypatch):
+    # TensorFlow 2.21 on an AMD EPYC answers {'current': 0, 'peak': 0} for the plain CPU
+    # allocator where an Intel CPU raises: the variable decides, not the answer.
+    def zeros(device):
+        return {"current": 0, "peak": 0}
+
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info", zeros)
+    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
+    assert allocator_bytes("CPU:0") is None
+    peak = PeakMemory()
+    peak.on_train_begin()
+    peak.on_train_end()
+    assert peak.to_dict() is None
+    # With the BFC allocator on, the same answer is its figures (here: the fake's zeros).
+    monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "TRUE")
+    assert allocator_bytes("CPU:0") == AllocatorBytes(current=0, peak=0)
+    monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "0")
+    assert allocator_bytes("CPU:0") is None
+
+
+@pytest.mark.parametrize("value, counts", [("true", True), ("1", True), ("True", True),
+                                           ("false", False), ("0", False), ("", False),
+                                           ("yes", False)])
+def test_the_bfc_variable_is_read_as_tensorflow_reads_it(value, counts):
+    assert cpu_allocator_counts({"TF_CPU_ALLOCATOR_USE_BFC": value}) is counts
+    assert cpu_allocator_counts({}) is False
 
 
 @pytest.mark.multiprocess

@@ -459,6 +459,30 @@ def supervisor_folder(environ: Mapping[str, str] | None = None) -> str | None:
     return env.get(SUPERVISOR_FOLDER_VARIABLE) or None
 
 
+# TensorFlow's switch for the BFC allocator on the host (read once, when it starts).
+CPU_ALLOCATOR_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
+
+
+def cpu_allocator_counts(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether TensorFlow's CPU allocator keeps figures: `TF_CPU_ALLOCATOR_USE_BFC` is on.
+
+    Only the BFC allocator counts the bytes it holds. TensorFlow's plain CPU allocator
+    has no figures, but how `get_memory_info` says so depends on the build and the CPU:
+    it raises on some machines and answers zeros on others (seen on an AMD EPYC), so
+    the variable, not the answer, decides. TensorFlow reads it as `ReadBoolFromEnvVar`
+    does: "true" or "1", in any case.
+
+    Args:
+        environ: The variables to read. None: this process's environment.
+
+    Example:
+
+        cpu_allocator_counts({"TF_CPU_ALLOCATOR_USE_BFC": "true"})   # True
+    """
+    env = os.environ if environ is None else environ
+    return env.get(CPU_ALLOCATOR_VARIABLE, "").strip().lower() in ("true", "1")
+
+
 def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
     """This process's environment with `extra` on top, for a child process to inherit."""
     return {**os.environ, **extra}

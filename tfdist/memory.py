@@ -22,6 +22,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfdist.cluster import cpu_allocator_counts
+
 
 @dataclasses.dataclass(frozen=True)
 class AllocatorBytes:
@@ -61,6 +63,9 @@ def allocator_bytes(device: str = "CPU:0") -> AllocatorBytes | None:
     Example:
         allocator_bytes("CPU:0")   # AllocatorBytes(current=4194304, peak=4194560)
     """
+    if "CPU" in device.upper() and not cpu_allocator_counts():
+        # The plain CPU allocator counts nothing, whatever it answers (zeros, on some CPUs).
+        return None
     try:
         info = tf.config.experimental.get_memory_info(device)
     except ValueError:  # "Allocator stats not available for device"
