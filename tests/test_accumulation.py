@@ -133,13 +133,19 @@ def test_a_cycle_carries_over_the_end_of_an_epoch():
     assert int(model.optimizer.micro_batches.numpy()) == 2
 
 
-def test_the_wrapper_saves_and_loads_with_the_model(tmp_path):
+def test_the_wrapper_saves_as_the_users_optimizer_and_loads_as_it(tmp_path):
     runner, model = build("one_device", STEPS, "adam")
     model.fit(runner.dataset(examples(), MICRO_BATCH).take(6), epochs=1, verbose=0)
     model.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")
-    assert isinstance(loaded.optimizer, AccumulatingOptimizer) and loaded.optimizer.steps == 4
-    assert int(loaded.optimizer.micro_batches.numpy()) == 2
+    # Saved as the user's optimizer, as plain Keras loads it: 1 update of 4 micro-batches;
+    # the 2 micro-batches of the cycle in progress stay out of the file (docs/guide/saving.md).
+    assert type(loaded.optimizer) is keras.optimizers.Adam
+    assert int(loaded.optimizer.iterations.numpy()) == 1
+    inner = model.optimizer.inner_optimizer
+    assert len(loaded.optimizer.variables) == len(inner.variables)
+    for saved, trained in zip(loaded.optimizer.variables, inner.variables):
+        np.testing.assert_array_equal(saved.numpy(), trained.numpy())
 
 
 def test_keras_own_accumulation_fails_under_mirrored():

@@ -1,11 +1,14 @@
 """The optimizer wrappers and the learning-rate schedule, on one device with real Keras."""
 
+import copy
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfdist
+from tfdist.accumulation import AccumulatingOptimizer
 from tfdist.optimizers import AgreeingLossScaleOptimizer, GradientReducingOptimizer
 from tfdist.schedules import ScaledWarmup
 
@@ -60,13 +63,58 @@ def test_the_wrapper_is_the_inner_optimizer_to_schedules_and_config():
     assert optimizer.iterations is inner.iterations
     optimizer.learning_rate = 0.5
     assert float(inner.learning_rate.numpy()) == 0.5
-    restored = GradientReducingOptimizer.from_config(optimizer.get_config())
+    assert optimizer.get_config() == inner.get_config()
+    # A config saved by an earlier tfdist ({"inner_optimizer", "name"}) still loads.
+    restored = GradientReducingOptimizer.from_config(
+        {"name": "old", "inner_optimizer": keras.saving.serialize_keras_object(inner)})
     assert isinstance(restored.inner_optimizer, keras.optimizers.Adam)
     assert restored.inner_optimizer.get_config()["learning_rate"] == 0.5
     with pytest.raises(ValueError, match="must be given one again"):
         restored.reduce([tf.constant(1.0)])
     with pytest.raises(ValueError, match="set them on the inner optimizer"):
         GradientReducingOptimizer(inner, reduce_fn=lambda g: g, clipnorm=1.0)
+
+
+@keras.saving.register_keras_serializable(package="users")
+class UsersSGD(keras.optimizers.SGD):
+    """An optimizer class of a user's own, registered as `users>UsersSGD`."""
+
+
+@pytest.mark.parametrize("make", [
+    lambda inner: GradientReducingOptimizer(inner, reduce_fn=lambda g: g),
+    lambda inner: AccumulatingOptimizer(GradientReducingOptimizer(inner, lambda g: g), steps=2),
+    lambda inner: AgreeingLossScaleOptimizer(AccumulatingOptimizer(inner, steps=2)),
+], ids=["reducing", "accumulating", "loss_scale"])
+@pytest.mark.parametrize("user", [lambda: keras.optimizers.Adam(0.01), lambda: UsersSGD(0.3)],
+                         ids=["adam", "users_own"])
+def test_each_wrapper_is_saved_as_the_users_optimizer_and_loads_as_it(make, user):
+    inner = user()
+    wrapped = make(inner)
+    saved = keras.saving.serialize_keras_object(wrapped)
+    loss_scaled = isinstance(wrapped, keras.optimizers.LossScaleOptimizer)
+    if loss_scaled:
+        assert saved["class_name"] == "LossScaleOptimizer"
+        saved_inner = saved["config"]["inner_optimizer"]
+    else:
+        saved_inner = saved
+    assert saved_inner["class_name"] == type(inner).__name__
+    assert saved_inner["registered_name"] == keras.saving.get_registered_name(type(inner))
+    assert saved_inner["config"] == inner.get_config()
+    # Keras's LossScaleOptimizer.from_config pops from the config it is given: a copy each.
+    loaded = keras.saving.deserialize_keras_object(copy.deepcopy(saved))
+    loaded_inner = loaded.inner_optimizer if loss_scaled else loaded
+    assert type(loaded_inner) is type(inner)  # the user's class, not tfdist's
+    assert type(loaded) is (keras.optimizers.LossScaleOptimizer if loss_scaled else type(inner))
+    # The state written is the user's optimizer's, in its layout, once.
+    variables = [keras.Variable(np.ones((3,), "float32")),
+                 keras.Variable(np.ones((2,), "float32"))]
+    wrapped.build(variables)
+    plain = keras.saving.deserialize_keras_object(copy.deepcopy(saved))
+    plain.build(variables)
+    store = {}
+    wrapped.save_own_variables(store)
+    assert len(store) == len(plain.variables)
+    assert "inner_optimizer" not in dir(wrapped) or loss_scaled
 
 
 def test_loss_scaling_skips_every_step_the_reduction_calls_non_finite():

@@ -155,10 +155,12 @@ class AccumulatingOptimizer(WrappingOptimizer):
     Inside `tfdist.optimizers.AgreeingLossScaleOptimizer`, a non-finite micro-batch
     is not added, and its whole cycle is skipped (`skip_cycle`) on every replica.
 
-    The accumulators and the count are optimizer variables, so checkpoints hold them
+    The accumulators and the count are optimizer variables, so tfdist's checkpoints hold them
     and a resume in the middle of a cycle goes on where it stopped. Saved from
     several replicas, each accumulator holds their sum, which is restored split
-    evenly; the update depends only on that sum, so it is the same.
+    evenly; the update depends only on that sum, so it is the same. A `.keras` file
+    (`model.save`) holds the user's optimizer alone, as plain Keras loads it: the
+    accumulators of a cycle in progress are not in it.
 
     Args:
         inner_optimizer: The optimizer that applies the mean of each cycle.
@@ -193,9 +195,6 @@ class AccumulatingOptimizer(WrappingOptimizer):
     def micro_batches(self) -> Any:
         """Micro-batches added in the current cycle (a variable)."""
         return self._accumulator.micro_batches
-
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "steps": self.steps}
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         self._build_if_needed(trainable_variables)

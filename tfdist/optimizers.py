@@ -18,10 +18,19 @@ each present only when needed: gradients are unscaled before they are accumulate
 accumulated before they are reduced, and a non-finite gradient on any replica skips
 the update on all of them.
 
+A trained model leaves tfdist whole: each wrapper is saved as what the user gave it
+(`saved_as`). Its class bears the user's optimizer's name, module and registered name,
+its config is that optimizer's, and the state it writes into a `.keras` file is that
+optimizer's, in that optimizer's layout; the loss scale is saved as Keras's own
+`LossScaleOptimizer`. So `model.save` writes a file that plain Keras loads, and loading
+it gives the user's optimizer with its state: iterations, slots, the loss scale.
+Accumulators are transient and stay out of the file (tfdist's checkpoints keep them).
+
 Example:
 
     reducing = GradientReducingOptimizer(keras.optimizers.SGD(0.1), reduce_fn=allreduce)
     model.compile(optimizer=reducing, loss="mse")
+    type(reducing).__name__, reducing.get_config()["learning_rate"]   # ('SGD', 0.1)
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
+from keras.src.saving import object_registration
 
 GradientReduceFn = Callable[[list[Any]], list[Any]]
 FiniteReduceFn = Callable[[tf.Tensor], tf.Tensor]
@@ -59,6 +69,70 @@ def recreated(optimizer: keras.optimizers.Optimizer,
     return made
 
 
+_named: dict[tuple[type, tuple[type, ...]], type] = {}
+
+
+def named_as(presented: type, bases: tuple[type, ...],
+             namespace: dict[str, Any] | None = None) -> type:
+    """A class of `bases` bearing `presented`'s name, module and Keras registered name.
+
+    Keras saves an object under its class's name and module (`serialize_keras_object`
+    reads `obj.__class__`), and loads it by them; a class made here is saved as
+    `presented`, so a file written from its instances loads where only `presented`
+    exists. Made once per (`presented`, `bases`).
+
+    Args:
+        presented: The class to be saved as (the user's optimizer's, say).
+        bases: The new class's bases (a tfdist wrapper; or a mixin and `presented`).
+        namespace: Further class attributes.
+
+    Example:
+
+        cls = named_as(keras.optimizers.Adam, (ShardingMixin, keras.optimizers.Adam))
+        cls.__name__, cls.__module__   # ('Adam', 'keras.src.optimizers.adam')
+    """
+    key = (presented, bases)
+    if key not in _named:
+        made = type(presented.__name__, bases,
+                    {"__module__": presented.__module__, "__qualname__": presented.__qualname__,
+                     "__doc__": presented.__doc__, **(namespace or {})})
+        registered = keras.saving.get_registered_name(presented)
+        if registered != presented.__name__:
+            # A user's own registered class ("package>Name"): saved under that name, so
+            # that loading finds the user's class. Only the name table is written, never
+            # the object table: loading still gives the user's class, not this one.
+            object_registration.GLOBAL_CUSTOM_NAMES[made] = registered
+        _named[key] = made
+    return _named[key]
+
+
+def user_optimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """The optimizer the user gave, inside tfdist's wrappers (`optimizer` if none wraps it).
+
+    Args:
+        optimizer: An optimizer, wrapped by tfdist or not.
+
+    Example:
+
+        user_optimizer(AccumulatingOptimizer(keras.optimizers.SGD(0.1), steps=2))   # the SGD
+    """
+    while isinstance(optimizer, WrappingOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def _saved_as(cls: type, presented: type) -> type:
+    """`cls` saved as `presented`: its name and module, and `from_config` gives a `presented`."""
+    def from_config(_, config: dict[str, Any], custom_objects: Any = None) -> Any:
+        return keras.saving.deserialize_keras_object(
+            {"module": presented.__module__, "class_name": presented.__name__,
+             "registered_name": keras.saving.get_registered_name(presented), "config": config},
+            custom_objects=custom_objects)
+
+    return named_as(presented, (cls,), {"from_config": classmethod(from_config),
+                                        "_saved_as": presented})
+
+
 class WrappingOptimizer(keras.optimizers.Optimizer):
     """Base of the wrappers: everything but `apply` is the inner optimizer's.
 
@@ -66,10 +140,19 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
     inner optimizer, so schedules and checkpoints see the optimizer the user built;
     the wrapper's own variables hold only what the wrapper itself needs.
 
+    Saved, a wrapper is the user's optimizer (`user_optimizer`): an instance's class is
+    a subclass bearing that optimizer's name and module, `get_config` is its config, and
+    the state written into a `.keras` file is its variables alone, in its order.
+
     Args:
         inner_optimizer: The `keras.optimizers.Optimizer` that applies the updates.
         name: The optimizer's name.
     """
+
+    def __new__(cls, inner_optimizer: Any = None, *args: Any, **kwargs: Any):
+        if inner_optimizer is not None and "_saved_as" not in cls.__dict__:
+            cls = _saved_as(cls, type(user_optimizer(inner_optimizer)))
+        return super().__new__(cls)
 
     def __init__(self, inner_optimizer: keras.optimizers.Optimizer, name: str | None = None,
                  **kwargs: Any):
@@ -112,17 +195,29 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def get_config(self) -> dict[str, Any]:
-        # Only the name and the inner optimizer: the base class's options (clipping,
-        # EMA, ...) belong to the inner optimizer, which applies the updates.
-        return {"name": self.name,
-                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer)}
+        # The user's optimizer's: the wrapper is saved as it (see the class docstring).
+        return user_optimizer(self).get_config()
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
+        # A config of the form earlier tfdist versions saved ({"inner_optimizer", "name",
+        # wrapper options}), so that their files still load where tfdist is imported.
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
                                                       custom_objects=custom_objects)
         return cls(inner, **config)
+
+    def save_own_variables(self, store: Any) -> None:
+        # The user's optimizer's variables, in its order, as plain Keras loads them.
+        user_optimizer(self).save_own_variables(store)
+
+    def load_own_variables(self, store: Any) -> None:
+        user_optimizer(self).load_own_variables(store)
+
+    def __dir__(self) -> list[str]:
+        # Keras's saving walks `dir()` for the objects to save beside this one; the chain
+        # below is saved already (save_own_variables), once, as the user's optimizer.
+        return [name for name in super().__dir__() if name != "inner_optimizer"]
 
 
 @keras.saving.register_keras_serializable(package="tfdist")
@@ -202,10 +297,33 @@ class AgreeingLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 hvd.allreduce(tf.cast(ok, tf.int32), op=hvd.Min), tf.bool))
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # Saved as Keras's own LossScaleOptimizer around the user's optimizer.
+        if "_saved_as" not in cls.__dict__:
+            cls = _saved_as(cls, keras.optimizers.LossScaleOptimizer)
+        return super().__new__(cls)
+
     def __init__(self, inner_optimizer: keras.optimizers.Optimizer,
                  finite_reduce_fn: FiniteReduceFn | None = None, **kwargs: Any):
         super().__init__(inner_optimizer, **kwargs)
         self.finite_reduce_fn = finite_reduce_fn
+
+    def save_own_variables(self, store: Any) -> None:
+        # Keras's LossScaleOptimizer's layout: its own variables, then the inner
+        # optimizer's; here the user's, as they are saved (a sharded optimizer's whole).
+        inner: dict[str, Any] = {}
+        user_optimizer(self.inner_optimizer).save_own_variables(inner)
+        values = [variable.numpy() for variable in self._variables]
+        values += [inner[str(index)] for index in range(len(inner))]
+        for index, value in enumerate(values):
+            store[str(index)] = value
+
+    def load_own_variables(self, store: Any) -> None:
+        own = len(self._variables)
+        for index, variable in enumerate(self._variables):
+            variable.assign(store[str(index)])
+        user_optimizer(self.inner_optimizer).load_own_variables(
+            {str(index - own): store[str(index)] for index in range(own, len(store.keys()))})
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         if self.finite_reduce_fn is not None:

@@ -35,6 +35,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import record
+
+from tfdist.errors import ConfigError
 
 from tfdist.sharding.collectives import ShardCollectives
 
@@ -160,7 +163,9 @@ class ReduceScatteredWeight(_StoredWeight):
         return self.storage._unique_id
 
     def read_value(self) -> tf.Tensor:
-        if not self.gradient_sliced:
+        if not self.gradient_sliced or not record.could_possibly_record():
+            # No tape records this read (predict, evaluate, a SavedModel's trace): no
+            # gradient, so no reduce-scatter in the graph (a served model has no Horovod).
             return self.storage.read_value()
 
         @tf.custom_gradient
@@ -187,6 +192,17 @@ class ReduceScatteredWeight(_StoredWeight):
         # A slice (a checkpoint of zero_stage 3): the whole weight is in the shard files
         # (`load_shard_state`).
         return tf.no_op()
+
+    def _export_to_saved_model_graph(self, object_map: Any, tensor_map: Any, options: Any,
+                                     **kwargs: Any) -> list[Any]:
+        # `model.export`: the SavedModel holds the whole weight, the variable it reads.
+        handles = self.storage._export_to_saved_model_graph(object_map, tensor_map, options,
+                                                            **kwargs)
+        object_map[self] = object_map[self.storage]
+        return handles
+
+    def _write_object_proto(self, proto: Any, options: Any) -> None:
+        self.storage._write_object_proto(proto, options)
 
     def __repr__(self) -> str:
         return (f"<ReduceScatteredWeight {self.name} shape={self.shape} gradient slice="
@@ -280,6 +296,13 @@ class ShardedWeight(_StoredWeight):
             return self.shard.assign(self.slice_of(value))
         # A slice (a checkpoint of zero_stage 3): the shard files restore this rank's.
         return tf.no_op()
+
+    def _export_to_saved_model_graph(self, *args: Any, **kwargs: Any) -> list[Any]:
+        # Every read of a stage-3 weight is a collective, which a served model cannot run.
+        raise ConfigError("model.export is not available at zero_stage 3, whose weights are "
+                          "gathered across ranks at every read: save the model on rank 0 "
+                          "after fit (model.save('model.keras')), then load it in plain Keras "
+                          "and export that. Received: zero_stage=3")
 
     def __repr__(self) -> str:
         return (f"<ShardedWeight {self.name} shape={self.whole_shape} slice={self.width} of "
