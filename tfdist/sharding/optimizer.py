@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
-from tfdist.optimizers import recreated
+from tfdist.optimizers import named_as, recreated
 from tfdist.patches.keras_optimizer import sum_repeated_rows
 from tfdist.sharding.layout import Piece, ShardLayout
 from tfdist.sharding.collectives import ShardCollectives
@@ -421,16 +421,9 @@ def _scaled(gradient: Any, scale: Any) -> Any:
     return gradient * scale
 
 
-_classes: dict[type, type] = {}
-
-
 def _sharded_class(base: type) -> type:
     """`base` with sharding first: the same name and module, so Keras saves it as `base`."""
-    if base not in _classes:
-        _classes[base] = type(base.__name__, (_ShardedMixin, base),
-                              {"__module__": base.__module__, "__qualname__": base.__qualname__,
-                               "__doc__": base.__doc__})
-    return _classes[base]
+    return named_as(base, (_ShardedMixin, base))
 
 
 def check_stage(stage: int, optimizer: keras.optimizers.Optimizer) -> None:

@@ -59,6 +59,7 @@ from tfdist.errors import ConfigError
 from tfdist.horovod import collectives as _collectives
 from tfdist.horovod.keras import callbacks, elastic  # noqa: F401
 from tfdist.horovod.keras.layers import SyncBatchNormalization  # noqa: F401
+from tfdist.optimizers import named_as as _named_as
 
 
 def init(*args: Any, **kwargs: Any) -> None:
@@ -393,17 +394,10 @@ def _rank_local_variable(shape: Any, dtype: str, aggregation: str, name: str) ->
                           aggregation=aggregation, synchronization="on_read", name=name)
 
 
-_classes: dict[type, type] = {}
-
-
 def _distributed_class(base: type) -> type:
     """`base` with `_DistributedMixin` first: the same name and module, so Keras saves the
     optimizer as `base` and plain Keras loads it."""
-    if base not in _classes:
-        _classes[base] = type(base.__name__, (_DistributedMixin, base),
-                              {"__module__": base.__module__, "__qualname__": base.__qualname__,
-                               "__doc__": base.__doc__})
-    return _classes[base]
+    return _named_as(base, (_DistributedMixin, base))
 
 
 def broadcast_global_variables(root_rank: int) -> None:
