@@ -1,4 +1,5 @@
-"""A trained model leaves tfdist whole: `model.save` and `model.export` under every strategy.
+"""A trained model leaves tfdist whole: `model.save`, `model.export` and the user's own
+file-writing callbacks under every strategy.
 
 Each setting trains one epoch (tests/scripts/saved_models.py); the chief saves a `.keras`
 file and exports a SavedModel. Then one process in which tfdist cannot be imported
@@ -7,10 +8,15 @@ SavedModel, and continues training each loaded model on one device.
 
 Every strategy, accumulation 1 and 2, float32, mixed_float16 and mixed_bfloat16, and zero
 stages 0-3 appear at least once (VARIANTS). Launches share processes: one per strategy.
+
+The user's ModelCheckpoint, CSVLogger and TensorBoard under multi_worker and horovod
+(tests/scripts/callback_files.py): each process works in a folder of its own with the
+same relative paths, so the folders show which process wrote at the user's paths.
 """
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +27,7 @@ pytestmark = [pytest.mark.xdist_group("saved_models"), pytest.mark.multiprocess,
 
 SCRIPT = str(REPO / "tests" / "scripts" / "saved_models.py")
 CHECK = str(REPO / "tests" / "scripts" / "saved_model_check.py")
+CALLBACKS = str(REPO / "tests" / "scripts" / "callback_files.py")
 LAUNCH_BOUND_SECONDS = 300  # a hang bound: each launch trains a few small models
 EXACT = 1e-6  # what the file holds against what the run held
 TOLERANCE = 1e-5  # float32 runs against one device
@@ -107,6 +114,8 @@ def test_plain_keras_loads_the_users_optimizer_with_its_state(saved, name):
     assert check["state_vs_one_device"] <= tolerance
     # Continuing in plain Keras equals continuing the run's own state on one device.
     assert check["continued"] <= TOLERANCE
+    # So does loading the file under the run's strategy and training on with tfdist.
+    assert check["resumed"] <= tolerance
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -128,3 +137,56 @@ def test_the_check_runs_where_tfdist_cannot_be_imported(tmp_path):
     result = run_command([sys.executable, "-c", code], cwd=tmp_path)
     assert result.returncode != 0
     assert "tfdist is not importable here" in result.stderr
+
+
+CALLBACK_LAUNCHES = {"multi_worker": ("multi_worker", []), "horovod": ("horovod", []),
+                     # Keras as installed: every process writes at the user's paths.
+                     "horovod_bare": ("horovod", ["--bare"])}
+USERS_FILES = {"training.csv", "logs", "checkpoints"}
+
+
+@pytest.fixture(scope="module")
+def callback_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("callback_files")
+    for name, (strategy, options) in CALLBACK_LAUNCHES.items():
+        (out / name).mkdir()
+        result = run_command([*LAUNCHERS[strategy], sys.executable, CALLBACKS,
+                              str(out / name), "--strategy", strategy, *options],
+                             cwd=out / name, timeout=LAUNCH_BOUND_SECONDS)
+        assert result.returncode == 0, (name, (result.stdout + result.stderr)[-3000:])
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["multi_worker", "horovod"])
+def test_only_the_chief_writes_the_users_callback_files(callback_runs, strategy):
+    chief, other = (callback_runs / strategy / f"process{index}" for index in (0, 1))
+    assert {path.name for path in chief.iterdir()} == USERS_FILES
+    assert list(other.iterdir()) == []  # nothing at the user's paths
+    reports = [read(callback_runs, strategy, f"report{index}.json") for index in (0, 1)]
+    assert reports[0]["scratch"] == [] and len(reports[1]["scratch"]) == 4
+    for scratch in reports[1]["scratch"]:  # the other process's private folders: removed
+        assert not Path(scratch).exists()
+    # One row per epoch run; one weights file per epoch; the best model loads in Keras alone.
+    rows = (chief / "training.csv").read_text().splitlines()
+    assert len(rows) == 1 + reports[0]["epochs"]
+    assert len(list((chief / "checkpoints").glob("epoch*.weights.h5"))) == reports[0]["epochs"]
+    code = ("import sys; sys.modules['tfdist'] = None; import keras; "
+            "print(type(keras.saving.load_model(sys.argv[1]).optimizer).__name__)")
+    loaded = run_command([sys.executable, "-c", code, str(chief / "checkpoints" / "best.keras")],
+                         cwd=callback_runs)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.split()[-1] == "SGD"
+
+
+@pytest.mark.parametrize("strategy", ["multi_worker", "horovod"])
+def test_early_stopping_and_reduce_lr_act_alike_on_every_process(callback_runs, strategy):
+    reports = [read(callback_runs, strategy, f"report{index}.json") for index in (0, 1)]
+    assert reports[0]["epochs"] == reports[1]["epochs"] < 12  # stopped early, together
+    assert reports[0]["rates"] == reports[1]["rates"]
+    assert reports[0]["rates"][-1] < reports[0]["rates"][0]  # cut on a plateau
+
+
+def test_without_the_patches_every_process_writes_at_the_users_paths(callback_runs):
+    # What tfdist's one-writer patches prevent: the second rank's files at the same paths.
+    other = callback_runs / "horovod_bare" / "process1"
+    assert {path.name for path in other.iterdir()} == USERS_FILES

@@ -185,6 +185,10 @@ class Runner:
         step yet is re-created from its config inside this strategy's scope, and may
         be constructed anywhere.
 
+        An optimizer that has taken steps (`model.optimizer` of a model loaded from a
+        `.keras` file under `runner.scope()`, say) keeps its state: iterations, slots, the
+        loss scale (its growth counter starts again).
+
         Args:
             optimizer: A `keras.optimizers.Optimizer`, or an identifier Keras accepts
                 (`"adam"`, a config dict).
@@ -212,7 +216,10 @@ class Runner:
             if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
                 # The user's own loss scaling keeps its settings, but goes outermost,
                 # where the strategy can make its skip decisions agree.
-                loss_scale_options = {"initial_scale": optimizer.initial_scale,
+                # A trained one (loaded from a `.keras` file) goes on from its scale.
+                scale = (float(optimizer.dynamic_scale.numpy()) if optimizer.built
+                         else optimizer.initial_scale)
+                loss_scale_options = {"initial_scale": scale,
                                       "dynamic_growth_steps": optimizer.dynamic_growth_steps}
                 optimizer = optimizer.inner_optimizer
             optimizer = self._adapter.wrap_optimizer(optimizer)

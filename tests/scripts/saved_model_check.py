@@ -9,7 +9,8 @@ then continues for one more epoch both the loaded model and a plain Keras model 
 run's own weights and optimizer state. It writes OUT_DIR/NAME/check.json: the loaded
 optimizer's module, class and config, and the largest differences: loaded weights against
 the trained ones and the reference's, the loaded optimizer's state against the run's and
-the reference's, served outputs against `predict`'s, and the two continued models.
+the reference's, served outputs against `predict`'s, the two continued models, and the
+model the run's own processes loaded and trained on under tfdist against them.
 """
 
 import argparse
@@ -115,6 +116,9 @@ def check(folder, overrides):
     loaded.fit(features, targets, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     continued.fit(features, targets, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     result["continued"] = largest(loaded.get_weights(), continued.get_weights())
+    # The run's processes loaded the file under tfdist and trained on the same epoch.
+    result["resumed"] = largest(arrays(os.path.join(folder, "resumed.npz")),
+                                continued.get_weights())
     result["tfdist_imported"] = any(name.startswith("tfdist") for name in sys.modules)
     with open(os.path.join(folder, "check.json"), "w") as file:
         json.dump(result, file)

@@ -15,7 +15,10 @@ Each variant's config overrides may also name "optimizer": "adam" (default) or
 - OUT_DIR/NAME/state.npz: the state of the user's optimizer inside tfdist's wrappers, in
   plain Keras's order (whole at zero stages 1-3), and loss_scale.npz: the loss scale's
   own variables (mixed_float16);
-- OUT_DIR/NAME/report.json: the optimizer's class as tfdist trains it.
+- OUT_DIR/NAME/report.json: the optimizer's class as tfdist trains it (written last);
+- OUT_DIR/NAME/resumed.npz: the weights after every process loaded model.keras under
+  `runner.scope()`, compiled it with `runner.optimizer(loaded.optimizer)` and trained
+  one more epoch.
 
 tests/scripts/saved_model_check.py then reads them where tfdist cannot be imported.
 """
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -67,8 +71,6 @@ def make_optimizer(name):
 def train(runner, folder, optimizer_name):
     import tensorflow as tf
 
-    from tfdist.optimizers import user_optimizer
-
     features, targets = data()
     dataset = runner.dataset(tf.data.Dataset.from_tensor_slices((features, targets)),
                              global_batch_size=GLOBAL_BATCH)
@@ -78,8 +80,43 @@ def train(runner, folder, optimizer_name):
     model.fit(dataset, epochs=1, verbose=0)
     # Every rank predicts (at zero_stage 3 each read of a weight is a collective).
     predictions = model.predict(features[:SERVED], verbose=0)
-    if not runner.is_chief:
-        return
+    if runner.is_chief:
+        save(model, folder, predictions)
+    else:
+        wait_for(os.path.join(folder, "report.json"))
+    # Every process loads the chief's file under the strategy and trains on from it.
+    path = os.path.join(folder, "model.keras")
+    if runner.config.zero_stage == 3:
+        # Stage 3 stores weights as slices from their creation: the file is loaded plain,
+        # and the model made again under the strategy (docs/guide/saving.md).
+        plain = keras.saving.load_model(path)
+        with runner.scope():
+            resumed = type(plain).from_config(plain.get_config())  # not compiled
+            resumed.set_weights(plain.get_weights())
+            resumed.compile(runner.optimizer(plain.optimizer), "mse")
+    else:
+        with runner.scope():
+            resumed = keras.saving.load_model(path)
+            resumed.compile(runner.optimizer(resumed.optimizer), "mse")
+    resumed.fit(dataset, epochs=1, verbose=0)
+    weights = resumed.get_weights()
+    if runner.is_chief:
+        np.savez(os.path.join(folder, "resumed.npz"), *weights)
+
+
+def wait_for(path, bound_seconds=120):
+    """Waits until the chief has written `path` (the last of its files)."""
+    deadline = time.monotonic() + bound_seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the chief wrote no {path} in {bound_seconds} s")
+        time.sleep(0.1)
+
+
+def save(model, folder, predictions):
+    """The chief's files (see the module docstring); report.json last."""
+    from tfdist.optimizers import user_optimizer
+
     os.makedirs(folder, exist_ok=True)
     report = {"class": type(model.optimizer).__name__}
     model.save(os.path.join(folder, "model.keras"))
@@ -98,8 +135,9 @@ def train(runner, folder, optimizer_name):
     state = {}
     user_optimizer(inner).save_own_variables(state)
     np.savez(os.path.join(folder, "state.npz"), *[state[str(i)] for i in range(len(state))])
-    with open(os.path.join(folder, "report.json"), "w") as file:
+    with open(os.path.join(folder, "report.json.tmp"), "w") as file:
         json.dump(report, file)
+    os.replace(os.path.join(folder, "report.json.tmp"), os.path.join(folder, "report.json"))
 
 
 def main():

@@ -18,7 +18,8 @@ One module per upstream component:
     tensorflow_backprop   GradientTape (gradients of sharded variables)
     tensorflow_distribute the strategies (sharded updates, collective keys, CPU replicas)
     keras_normalization   Keras's synchronized batch statistics (over Horovod's ranks)
-    keras_callbacks       Keras's own BackupAndRestore (one writer across processes)
+    keras_callbacks       Keras's BackupAndRestore, ModelCheckpoint, CSVLogger and
+                          TensorBoard (one writer across processes)
     horovod_tensorflow    horovod.tensorflow (Keras 3 variables in its ops)
 
 Example:
@@ -51,6 +52,7 @@ MULTI_WORKER: tuple[Patch, ...] = (
     keras_trainer.MULTI_WORKER_METRIC_REDUCTION,
     keras_callbacks.BACKUP_ONE_WRITER,
     keras_callbacks.BACKUP_ONE_CLEANER,
+    *keras_callbacks.USER_FILE_WRITERS,
 )
 PARAMETER_SERVER: tuple[Patch, ...] = (
     keras_variables.ATOMIC_ASSIGN_ADD,
@@ -72,6 +74,7 @@ HOROVOD: tuple[Patch, ...] = (
     horovod_tensorflow.TAPE_LOCAL_AND_GLOBAL_GRADIENTS,
     keras_callbacks.BACKUP_ONE_WRITER,
     keras_callbacks.BACKUP_ONE_CLEANER,
+    *keras_callbacks.USER_FILE_WRITERS,
 )
 # `tfdist.parallel`'s layers, when built: one model over several devices of a process.
 MODEL_PARALLEL: tuple[Patch, ...] = (

@@ -1,4 +1,8 @@
-"""Patches to Keras 3's own `BackupAndRestore` (`keras/src/callbacks/backup_and_restore.py`).
+"""Patches to Keras 3's callbacks that write files: one writer across processes.
+
+`BackupAndRestore` (`keras/src/callbacks/backup_and_restore.py`), and the user's
+`ModelCheckpoint`, `CSVLogger` and `TensorBoard`, which every process of a multi-process
+run executes with the same paths; on a shared file system they write one file at once.
 
 Under `MultiWorkerMirroredStrategy` every worker runs the user's callbacks, and Keras 3's
 `BackupAndRestore` has every worker write the same `latest.weights.h5` and
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import os
 import shutil
 import tempfile
 from typing import Any, Callable, Iterator
@@ -62,10 +68,7 @@ def writes_shared_files(model: Any) -> bool:
 @contextlib.contextmanager
 def _writing_to_scratch(callback: Any) -> Iterator[None]:
     """The callback's file paths point into this process's private folder for the block."""
-    scratch = getattr(callback, "_tfdist_scratch", None)
-    if scratch is None:
-        scratch = callback._tfdist_scratch = tempfile.mkdtemp(prefix="tfdist-not-chief-")
-        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    scratch = _scratch(callback)
     shared = {name: getattr(callback, name) for name in _PATHS}
     folder = shared["backup_dir"]
     for name, path in shared.items():
@@ -99,6 +102,69 @@ def _one_writer_cleanup(original: Callable) -> Callable:
     return on_train_end
 
 
+def _scratch(callback: Any) -> str:
+    """This process's private folder for `callback`'s files, removed when it ends."""
+    scratch = getattr(callback, "_tfdist_scratch", None)
+    if scratch is None:
+        scratch = callback._tfdist_scratch = tempfile.mkdtemp(prefix="tfdist-not-chief-")
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return scratch
+
+
+@contextlib.contextmanager
+def _paths_in_scratch(callback: Any, names: tuple[str, ...]) -> Iterator[None]:
+    """Each attribute in `names` (a path) points to the same place under the callback's
+    private folder for the block: an absolute path below it, a relative one too."""
+    scratch = _scratch(callback)
+    shared = {name: getattr(callback, name) for name in names}
+    for name, path in shared.items():
+        private = os.path.join(scratch, os.path.abspath(path).lstrip(os.sep))
+        # Its folder, as the user made theirs (CSVLogger opens its file without making it).
+        os.makedirs(os.path.dirname(private), exist_ok=True)
+        setattr(callback, name, private)
+    try:
+        yield
+    finally:
+        for name, path in shared.items():
+            setattr(callback, name, path)
+
+
+def _one_writer(paths: tuple[str, ...], model_argument: bool = False) -> Callable:
+    """A replacement that runs the original on the chief, and with `paths` in this
+    process's private folder elsewhere (still run: a save may read variables whose read
+    is a collective every process joins)."""
+    def replacement(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            model = args[0] if model_argument else self.model
+            if writes_shared_files(model):
+                return original(self, *args, **kwargs)
+            with _paths_in_scratch(self, paths):
+                return original(self, *args, **kwargs)
+
+        return method
+
+    return replacement
+
+
+def _model_checkpoint_class() -> Any:
+    from keras.src.callbacks import model_checkpoint
+
+    return model_checkpoint.ModelCheckpoint
+
+
+def _csv_logger_class() -> Any:
+    from keras.src.callbacks import csv_logger
+
+    return csv_logger.CSVLogger
+
+
+def _tensorboard_class() -> Any:
+    from keras.src.callbacks import tensorboard
+
+    return tensorboard.TensorBoard
+
+
 _UPSTREAM = ("none filed: Keras 3 dropped tf.keras's per-worker temporary folders "
              "(distributed_file_utils)")
 
@@ -118,3 +184,33 @@ BACKUP_ONE_CLEANER = Patch(
                                   and not source_contains(original, "chief")),
     upstream=_UPSTREAM,
     summary="every worker deletes the shared backup folder at the end of training")
+
+CHECKPOINT_ONE_WRITER = Patch(
+    "keras.callbacks.model_checkpoint_one_writer",
+    owner=_model_checkpoint_class, attribute="_save_model",
+    replacement=_one_writer(("filepath",)),
+    bug_present=lambda original: (source_contains(original, "self.model.save")
+                                  and not source_contains(original, "chief")),
+    upstream=_UPSTREAM,
+    summary="every process saves the user's ModelCheckpoint file at the same path")
+
+CSV_LOGGER_ONE_WRITER = Patch(
+    "keras.callbacks.csv_logger_one_writer",
+    owner=_csv_logger_class, attribute="on_train_begin",
+    replacement=_one_writer(("filename",)),
+    bug_present=lambda original: (source_contains(original, "self.filename")
+                                  and not source_contains(original, "chief")),
+    upstream=_UPSTREAM,
+    summary="every process writes the user's CSVLogger file at the same path")
+
+TENSORBOARD_ONE_WRITER = Patch(
+    "keras.callbacks.tensorboard_one_writer",
+    owner=_tensorboard_class, attribute="set_model",
+    replacement=_one_writer(("log_dir",), model_argument=True),
+    bug_present=lambda original: (source_contains(original, "self.log_dir")
+                                  and not source_contains(original, "chief")),
+    upstream=_UPSTREAM,
+    summary="every process writes the user's TensorBoard logs in the same folder")
+
+# The user's own callbacks that write files, under every multi-process strategy.
+USER_FILE_WRITERS = (CHECKPOINT_ONE_WRITER, CSV_LOGGER_ONE_WRITER, TENSORBOARD_ONE_WRITER)

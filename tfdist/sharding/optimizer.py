@@ -125,6 +125,9 @@ class _ShardedMixin:
         self._shard.plain = plain_order(type(self).__mro__[2], self.get_config(), len(variables))
         self._shard.slot_names = list(dict.fromkeys(entry.name for entry in self._shard.plain
                                                     if isinstance(entry, Slot)))
+        if getattr(self, "_shard_trained_state", None) is not None:
+            self.load_own_variables(self._shard_trained_state)
+            self._shard_trained_state = None
 
     def add_variable_from_reference(self, reference_variable: Any, name: str | None = None,
                                     initializer: str = "zeros") -> Any:
@@ -230,6 +233,31 @@ class _ShardedMixin:
         for position, entry in enumerate(self._shard.plain):
             store[str(position)] = (saved.full[(entry.variable, entry.name)]
                                     if isinstance(entry, Slot) else others[entry.index].numpy())
+
+    def load_own_variables(self, store: Any) -> None:
+        """Sets this rank's part of the state from the whole state, as the unsharded
+        optimizer lists it (a `.keras` or `.weights.h5` file's, or a trained optimizer's).
+
+        Raises:
+            ConfigError: the store lists another number of variables.
+        """
+        plain = self._shard.plain
+        if len(store.keys()) != len(plain):
+            raise ConfigError(f"the saved optimizer state has {len(store.keys())} variables, "
+                              f"where this {type(self).__name__} built on these weights has "
+                              f"{len(plain)}: load it into the model it was saved from, with "
+                              f"the same optimizer. Received: {len(store.keys())} variables")
+        sharded = {id(v) for v in self.sharded_variables}
+        others = [v for v in self.variables if id(v) not in sharded]
+        slots = {}
+        for position, entry in enumerate(plain):
+            value = np.asarray(store[str(position)])
+            if isinstance(entry, Slot):
+                slots[(entry.variable, entry.name)] = np.reshape(value, [-1])
+            else:
+                others[entry.index].assign(value)
+        self.load_shard_state(lambda variable, name, start, stop:
+                              slots[(variable, name)][start:stop])
 
     def _stage1_gradients(self, grads: list[Any]) -> list[Any]:
         present = [i for i, grad in enumerate(grads) if grad is not None]
@@ -453,7 +481,8 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
     """`optimizer`'s class and config, holding and updating only this rank's partition.
 
     Args:
-        optimizer: The user's Keras optimizer (not built yet; its config is taken).
+        optimizer: The user's Keras optimizer: its config is taken, and its state where
+            it is built (a trained optimizer, loaded from a `.keras` file, say).
         collectives: The ranks' communicator.
         stage: 1 (whole variables dealt out; gradients averaged), 2 (an equal slice
             of each variable per rank; gradients reduce-scattered in the backward pass,
@@ -473,6 +502,12 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
     """
     check_stage(stage, optimizer)
     sharded = recreated(optimizer, _sharded_class(type(optimizer)))
+    sharded._shard_trained_state = None
+    if optimizer.built and optimizer.variables:
+        # A trained optimizer (loaded from a `.keras` file, say): its state goes on, each
+        # rank keeping its part when the sharded optimizer is built.
+        sharded._shard_trained_state = {}
+        optimizer.save_own_variables(sharded._shard_trained_state)
     sharded._collectives = collectives
     sharded.zero_stage = stage
     sharded.reduce_in_backward = reduce_in_backward or stage == 3
