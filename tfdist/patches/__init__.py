@@ -20,6 +20,7 @@ One module per upstream component:
     keras_normalization   Keras's synchronized batch statistics (over Horovod's ranks)
     keras_callbacks       Keras's BackupAndRestore, ModelCheckpoint, CSVLogger and
                           TensorBoard (one writer across processes)
+    keras_export          Keras's Model.export (the whole weights of ZeRO stage 3)
     horovod_tensorflow    horovod.tensorflow (Keras 3 variables in its ops)
 
 Example:
@@ -35,9 +36,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from tfdist.patches import (horovod_tensorflow, keras_callbacks, keras_normalization,
-                            keras_optimizer, keras_trainer, keras_variables,
-                            tensorflow_backprop, tensorflow_distribute)
+from tfdist.patches import (horovod_tensorflow, keras_callbacks, keras_export,
+                            keras_normalization, keras_optimizer, keras_trainer,
+                            keras_variables, tensorflow_backprop, tensorflow_distribute)
 from tfdist.patches.base import Patch, registered
 
 # What every adapter applies when it is built (and `tfdist.horovod.keras.init()`): the
@@ -75,6 +76,7 @@ HOROVOD: tuple[Patch, ...] = (
     keras_callbacks.BACKUP_ONE_WRITER,
     keras_callbacks.BACKUP_ONE_CLEANER,
     *keras_callbacks.USER_FILE_WRITERS,
+    keras_export.ZERO3_WHOLE_WEIGHTS,
 )
 # `tfdist.parallel`'s layers, when built: one model over several devices of a process.
 MODEL_PARALLEL: tuple[Patch, ...] = (

@@ -261,10 +261,27 @@ class ShardedWeight(_StoredWeight):
     def numpy(self) -> np.ndarray:
         """The whole value: the one saved at the end of the last fit while no step has run
         since (no collective: the chief saves the model alone), else a gather."""
-        if (self.saved is not None and self.version is not None
-                and self.saved[0] == self.version()):
+        if self._saved_is_current():
             return self.saved[1]
         return self._gathered().numpy()
+
+    def whole_value(self) -> np.ndarray:
+        """The whole value kept at the end of the last fit, read with no collective (what
+        `model.export` serves: tfdist.patches.keras_export).
+
+        Raises:
+            ConfigError: a step has run since the end of the last fit.
+        """
+        if not self._saved_is_current():
+            raise ConfigError("model.export at zero_stage 3 exports the whole weights kept at "
+                              "the end of fit: export after fit returns (on rank 0, say), "
+                              f"before any other step. Received: the weight {self.name}, "
+                              "changed since the last fit")
+        return self.saved[1]
+
+    def _saved_is_current(self) -> bool:
+        return (self.saved is not None and self.version is not None
+                and self.saved[0] == self.version())
 
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None,
                read_value: bool = True) -> Any:
@@ -298,11 +315,13 @@ class ShardedWeight(_StoredWeight):
         return tf.no_op()
 
     def _export_to_saved_model_graph(self, *args: Any, **kwargs: Any) -> list[Any]:
-        # Every read of a stage-3 weight is a collective, which a served model cannot run.
-        raise ConfigError("model.export is not available at zero_stage 3, whose weights are "
-                          "gathered across ranks at every read: save the model on rank 0 "
-                          "after fit (model.save('model.keras')), then load it in plain Keras "
-                          "and export that. Received: zero_stage=3")
+        # Reached only where Keras's `Model.export` runs without tfdist's patch (which
+        # swaps in the whole weights first): every read here is a collective, which a
+        # served model cannot run.
+        raise ConfigError("a SavedModel of a zero_stage 3 model needs its whole weights: "
+                          "call model.export under the horovod strategy's patches (a Runner "
+                          "applies them), or save the model and export it in plain Keras. "
+                          "Received: a ShardedWeight")
 
     def __repr__(self) -> str:
         return (f"<ShardedWeight {self.name} shape={self.whole_shape} slice={self.width} of "
