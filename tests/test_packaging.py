@@ -101,8 +101,10 @@ def test_the_wheel_trains_a_preset_by_name_and_under_its_launcher(installed):
 @pytest.mark.multiprocess
 def test_without_its_tensorflow_extra_the_wheel_says_which_to_install(without_tensorflow):
     bin_dir, elsewhere = without_tensorflow
-    line = ("tfdist: error: TensorFlow is not installed in this environment; install tfdist "
-            "with its extra: pip install 'tfdist[cpu]' (or 'tfdist[gpu]' on NVIDIA GPUs)")
+    # A command that works from a clone and from the wheel alike (tfdist is not on PyPI).
+    line = ("tfdist: error: TensorFlow is not installed in this environment; install the "
+            "release tfdist is built for: pip install 'tensorflow-cpu>=2.21,<2.22' (or "
+            "'tensorflow[and-cuda]>=2.21,<2.22' on NVIDIA GPUs)")
     for command in (["train"], ["env"], ["train", "--strategy", "horovod"]):
         result = run_command([str(bin_dir / "tfdist"), *command], cwd=elsewhere)
         assert (result.returncode, result.stderr.splitlines()) == (2, [line]), result.stderr

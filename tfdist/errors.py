@@ -31,5 +31,6 @@ class ClusterError(RuntimeError):
 
 
 # TensorFlow is an extra of the package (its CPU and GPU builds have different names).
-MISSING_TENSORFLOW = ("TensorFlow is not installed in this environment; install tfdist with "
-                      "its extra: pip install 'tfdist[cpu]' (or 'tfdist[gpu]' on NVIDIA GPUs)")
+MISSING_TENSORFLOW = ("TensorFlow is not installed in this environment; install the release "
+                      "tfdist is built for: pip install 'tensorflow-cpu>=2.21,<2.22' (or "
+                      "'tensorflow[and-cuda]>=2.21,<2.22' on NVIDIA GPUs)")

@@ -14,9 +14,11 @@ Precedence: the config's defaults, then `--config`, then `--set`, then the named
 flags. Values are resolved by the config itself (`tfdist.config`), so flags,
 YAML and Python overrides accept the same spellings and give the same errors.
 
+The import must come before absl parses the command line (`app.run`), at the top of the
+script: a flag absl does not know when it parses is a "Flags parsing error".
+
 Example (an absl main):
 
-    from absl import app
     import tfdist
     from tfdist import flags as tfdist_flags  # defines the flags
 
@@ -25,15 +27,17 @@ Example (an absl main):
         ...
 
     if __name__ == "__main__":
-        app.run(main)
+        tfdist_flags.run(main)   # absl's app.run; tfdist's errors as one line, exit 2
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import sys
+from typing import Any, Callable, Sequence
 
 import yaml
-from absl import flags
+from absl import app, flags
 
 from tfdist import presets
 from tfdist.config import Config, field_help, load_config
@@ -88,3 +92,35 @@ def parse_value(raw: str, key: str) -> Any:
     except yaml.YAMLError:
         raise ConfigError(f"--set {key}= has a value that is not valid YAML; quote it. "
                           f"Received: {raw!r}") from None
+
+
+def run(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> None:
+    """`absl.app.run(main)`, with bad input as one line and exit status 2.
+
+    A `tfdist.ConfigError` that `main` raises (a flag's value, a config key, a cluster
+    tfdist cannot use) prints `<script>: error: <what is wrong and what to do>` on standard
+    error, as the `tfdist` command does, and exits with status 2, where `app.run` would
+    print a traceback. Every other exception is left to absl.
+
+    Args:
+        main: The absl main, called with the arguments absl leaves.
+        argv: The command line (None: `sys.argv`).
+
+    Example:
+
+        def main(argv):
+            runner = tfdist.Runner.from_flags()
+            ...
+
+        if __name__ == "__main__":
+            tfdist_flags.run(main)
+    """
+    def one_line_errors(arguments: list[str]) -> Any:
+        try:
+            return main(arguments)
+        except ConfigError as error:
+            print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr,
+                  flush=True)
+            sys.exit(2)
+
+    app.run(one_line_errors, argv=None if argv is None else list(argv))

@@ -135,13 +135,38 @@ class Runner:
     def from_flags(cls, flag_values: Any = None) -> "Runner":
         """Builds a Runner from tfdist's absl flags, once they are parsed (inside `main`).
 
+        tfdist's flags are defined by `from tfdist import flags`, which must run before
+        absl parses the command line: at the top of the script.
+
         Args:
             flag_values: The `absl.flags.FlagValues` holding tfdist's flags. None: the
                 global `FLAGS`.
+
+        Raises:
+            ConfigError: tfdist's flags were not defined when the command line was parsed.
+
+        Example:
+
+            from tfdist import flags as tfdist_flags   # at the top: defines the flags
+
+            def main(argv):
+                runner = tfdist.Runner.from_flags()
+
+            tfdist_flags.run(main)
         """
+        from absl import flags as absl_flags
+
+        values = absl_flags.FLAGS if flag_values is None else flag_values
+        if "strategy" not in values or not values.is_parsed():
+            raise ConfigError("Runner.from_flags() reads tfdist's absl flags, which `from tfdist "
+                              "import flags` defines: put that import at the top of the script, "
+                              "before app.run parses the command line, and call from_flags "
+                              "inside main. Received: "
+                              + ("no tfdist flags defined" if "strategy" not in values
+                                 else "flags not parsed yet"))
         from tfdist import flags as tfdist_flags
 
-        return cls(tfdist_flags.config_from_flags(flag_values))
+        return cls(tfdist_flags.config_from_flags(values))
 
     @property
     def strategy_name(self) -> Strategy:
