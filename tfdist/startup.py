@@ -148,7 +148,9 @@ def warn_if_untrusted_network(addresses: list[str], trusted: bool) -> None:
     TensorFlow's distributed runtime authenticates no one: a process that can reach
     a server's port can run any operation in it (TensorFlow's SECURITY.md). A
     cluster whose addresses all lead back to this machine is the one case left
-    alone, though even then TensorFlow listens on every interface.
+    alone: TensorFlow listens on every interface even then, and `tfdist launch` keeps
+    its tasks in a network of their own (`tfdist.app.isolation`), or says in one line
+    that it could not.
 
     Args:
         addresses: Every task's host:port in the cluster.

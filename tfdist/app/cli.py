@@ -1,8 +1,10 @@
 """The `tfdist` command.
 
     tfdist train [--config FILE] [--strategy S] [--precision P] [--set KEY=VALUE ...]
-    tfdist launch -n N [--ps M] [--max_restarts R] [--grace_seconds S] -- COMMAND ...
+    tfdist launch -n N [--ps M] [--max_restarts R] [--grace_seconds S] [--network host]
+                  -- COMMAND ...
     tfdist supervise [--grace_seconds S] -- LAUNCHER ...
+    tfdist isolate -- COMMAND ...
     tfdist env [--json]
 
 TensorFlow's C++ start-up lines (oneDNN, CPU features, ...) are hidden unless
@@ -43,6 +45,9 @@ commands:
           tfdist launch -n 2 -- tfdist train --strategy multi_worker
   supervise  run a launcher so that SIGTERM lets the ranks save and ends it with 143:
              tfdist supervise -- mpirun -np 2 tfdist train --strategy horovod
+  isolate    run a one-machine launcher in a network of its own, loopback alone, so
+             that nothing outside reaches its processes' servers:
+             tfdist isolate -- mpirun -np 2 tfdist train --strategy horovod
   env     what tfdist detects here: versions, devices, cluster, what auto chooses
           (--json: the full report, with every patch and its upstream issue)
 
@@ -82,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(_launch(rest, hide_tensorflow_log=hide_tensorflow_log))
     if command == "supervise":
         sys.exit(_supervise(rest))
+    if command == "isolate":
+        _isolate(rest)
     _start_tensorflow = quiet.import_tensorflow if hide_tensorflow_log else _no_op
     if command in ("train", "env") and importlib.util.find_spec("tensorflow") is None:
         _fail(MISSING_TENSORFLOW)
@@ -90,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rest.remove("--json")
     commands = {"train": _train, "env": functools.partial(_env, as_json=as_json)}
     if command not in commands:
-        _fail(f"unknown command '{command}'; use one of train, launch, supervise, env "
+        _fail(f"unknown command '{command}'; use one of train, launch, supervise, isolate, env "
               f"(tfdist --help). Received: {command}")
     if "--help" in rest or "-h" in rest:
         # absl's own --help lists only __main__'s flags and exits with status 1.
@@ -198,8 +205,15 @@ def _launch(argv: list[str], *, hide_tensorflow_log: bool) -> int:
     flags.DEFINE_float("grace_seconds", 30.0, "After Ctrl-C or SIGTERM to the launcher, or a "
                        "task exiting with 143, how long the tasks have to save and exit "
                        "before they are killed.", flag_values=options)
+    flags.DEFINE_enum("network", "private", ["private", "host"],
+                      "private: the tasks share a network of their own, loopback alone, so "
+                      "their TensorFlow servers (which authenticate no one) are reachable from "
+                      "them alone; host: this machine's network, for a task that needs the "
+                      "outside (a data set fetched during training, a remote debugger).",
+                      flag_values=options)
     command = _command_after_flags(
-        "launch", "-n N [--ps M] [--max_restarts R] [--grace_seconds S]", options, argv)
+        "launch", "-n N [--ps M] [--max_restarts R] [--grace_seconds S] [--network host]",
+        options, argv)
     if command is None:
         return 0
     try:
@@ -208,7 +222,8 @@ def _launch(argv: list[str], *, hide_tensorflow_log: bool) -> int:
                               f"Received: --grace_seconds {options.grace_seconds:g}")
         return launch.launch(command, options.num_workers, options.ps, options.max_restarts,
                              grace_seconds=options.grace_seconds,
-                             hide_tensorflow_log=hide_tensorflow_log)
+                             hide_tensorflow_log=hide_tensorflow_log,
+                             network=options.network)
     except ConfigError as error:
         _fail(str(error))
 
@@ -227,6 +242,33 @@ def _supervise(argv: list[str]) -> int:
         return supervise.supervise(command, grace_seconds=options.grace_seconds)
     except ConfigError as error:
         _fail(str(error))
+
+
+def _isolate(argv: list[str]) -> NoReturn:
+    """Becomes COMMAND, in a private network (or, where none can be made, says so once)."""
+    import shutil
+
+    from tfdist.app import isolation
+
+    options = flags.FlagValues()
+    command = _command_after_flags("isolate", "", options, argv)
+    if command is None:
+        sys.exit(0)
+    if not command:
+        _fail("tfdist isolate needs a command after '--', such as "
+              "tfdist isolate -- mpirun -np 2 tfdist train --strategy horovod")
+    if shutil.which(command[0]) is None:
+        _fail(f"tfdist isolate: command not found: {command[0]}; give a program on PATH or a "
+              f"path to an executable file. Received: {' '.join(command)}")
+    try:
+        isolation.enter_private_network()
+    except isolation.IsolationUnavailable as reason:
+        print(f"tfdist isolate: {command[0]}'s processes run on this machine's network, where "
+              f"their servers listen on every interface: {reason}. Allow user namespaces (or "
+              f"run with CAP_SYS_ADMIN), or keep their ports behind a firewall",
+              file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execvp(command[0], command)
 
 
 def _command_after_flags(name: str, usage: str, options: flags.FlagValues,

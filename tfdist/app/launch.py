@@ -28,6 +28,11 @@ single-host runs, not a cluster manager.
   (SIGTERM). A child still running `grace_seconds` later is killed. Each child leads its
   own process group, which is what is signalled, so grandchildren go too: no orphans.
 - Exit statuses are the shell's: a task killed by signal N ends the group with 128 + N.
+- The tasks share a private network, loopback alone (`tfdist.app.isolation`), unless
+  `network="host"`: TensorFlow's servers authenticate no one and listen on every
+  interface, so on the machine's network anyone who reaches it could run operations in
+  the tasks. Where the system allows no private network, the launch says so once, in
+  one line, and runs on the machine's network.
 
 Example:
 
@@ -52,10 +57,11 @@ import sys
 import termios
 import threading
 import time
-from typing import IO, Iterator, Sequence
+from typing import IO, Callable, Iterator, Sequence
 
 from tfdist.app.console import Console
 from tfdist.app.interruption import Interruption, interruption_handled
+from tfdist.app.isolation import IsolationUnavailable, PrivateNetwork
 from tfdist.cluster import child_environment, ephemeral_port_range
 from tfdist.errors import ConfigError
 from tfdist.quiet import is_tensorflow_log_line
@@ -198,7 +204,7 @@ def reserved_ports(count: int, host: str = LOOPBACK) -> Iterator[list[int]]:
 
 def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restarts: int = 0, *,
            grace_seconds: float = 30.0, output: IO[str] | None = None,
-           hide_tensorflow_log: bool = False) -> int:
+           hide_tensorflow_log: bool = False, network: str = "private") -> int:
     """Runs `command` once per task of a local cluster and returns the group's exit status.
 
     Args:
@@ -212,6 +218,9 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
         hide_tensorflow_log: Drop the tasks' TensorFlow C++ log lines at INFO and
             WARNING severity (those written while TensorFlow loads get past
             `TF_CPP_MIN_LOG_LEVEL`).
+        network: "private": the tasks share a network namespace with loopback alone,
+            reachable from them alone (a new one for each attempt); "host": the
+            machine's network.
 
     Returns:
         0 on success; otherwise the failed task's exit status (128 + N for a task
@@ -229,6 +238,9 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
         if value < lowest:
             raise ConfigError(f"tfdist launch {name} must be an integer >= {lowest}. "
                               f"Received: {name} {value}")
+    if network not in ("private", "host"):
+        raise ConfigError(f"tfdist launch --network must be private or host. "
+                          f"Received: --network {network}")
     if shutil.which(command[0]) is None:
         raise ConfigError(f"tfdist launch: command not found: {command[0]}; give a program on "
                           f"PATH or a path to an executable file. Received: "
@@ -239,9 +251,10 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
         for attempt in range(max_restarts + 1):
             if attempt:
                 _say(output, f"restarting the group (restart {attempt} of {max_restarts})")
-            with reserved_cluster(num_workers, num_ps) as cluster:
-                status = _Group(list(command), cluster, output, grace_seconds, interrupted,
-                                hide_tensorflow_log).run()
+            with reserved_cluster(num_workers, num_ps) as cluster, \
+                    _network(network, output, warned=attempt > 0) as run_in_network:
+                status = _Group(run_in_network(list(command)), cluster, output, grace_seconds,
+                                interrupted, hide_tensorflow_log).run()
             if status == 0 or interrupted.is_set():
                 return status
     return status
@@ -249,6 +262,30 @@ def launch(command: Sequence[str], num_workers: int, num_ps: int = 0, max_restar
 
 def _say(output: IO[str], message: str) -> None:
     print(f"tfdist launch: {message}", file=output, flush=True)
+
+
+@contextlib.contextmanager
+def _network(network: str, output: IO[str],
+             warned: bool) -> Iterator[Callable[[list[str]], list[str]]]:
+    """Yields what makes a task's command line run in the launch's network."""
+    if network == "host":
+        yield lambda command: command
+        return
+    private = PrivateNetwork()
+    try:
+        private.start()
+    except IsolationUnavailable as reason:
+        if not warned:
+            _say(output, f"the tasks' TensorFlow servers listen on every interface of this "
+                         f"machine and run whatever any caller sends: {reason}. Allow user "
+                         f"namespaces (or run with CAP_SYS_ADMIN), keep their ports behind a "
+                         f"firewall, or pass --network host to accept this and silence it")
+        yield lambda command: command
+        return
+    try:
+        yield private.command
+    finally:
+        private.stop()
 
 
 class _Group:
