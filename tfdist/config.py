@@ -301,6 +301,8 @@ class Config:
         checkpoint: Checkpoints for an exact resume, and what a SIGTERM does.
         cluster: How the processes of a multi-process run find each other.
         trusted_network: Silence the warning about TensorFlow's unauthenticated servers.
+        every_process_prints: Every process prints progress bars and status lines, not
+            the chief alone.
         threads: TensorFlow's thread pools.
         train: The main job's settings (`tfdist train`).
 
@@ -344,6 +346,9 @@ class Config:
     trusted_network: bool = _field(
         False, "The cluster's network admits only trusted machines: silences the warning that "
                "TensorFlow's gRPC servers accept unauthenticated connections.")
+    every_process_prints: bool = _field(
+        False, "Every process of a multi-process run prints Keras's progress bars and tfdist's "
+               "status lines (false: the chief alone; the others print warnings and errors).")
     threads: ThreadsConfig = _field(ThreadsConfig(), "TensorFlow thread pools.")
     train: TrainConfig = _field(TrainConfig(), "The main job (tfdist train).")
 

@@ -93,13 +93,11 @@ class Runner:
         if config.strategy is Strategy.AUTO:
             strategy_name, reason = choose_strategy(self.cluster)
             self.strategy_reason = f"auto: {reason}"
-            logging.info("tfdist: strategy auto chose %s: %s", strategy_name.value, reason)
         else:
             strategy_name, self.strategy_reason = config.strategy, "requested"
         adapter_cls = registry.get(strategy_name)
         self.precision: PrecisionPolicy = resolve_precision(
             config.precision, strategy=strategy_name, cluster=self.cluster)
-        logging.info("tfdist: precision %s (%s)", self.precision.name, self.precision.reason)
         # The resolved config: what actually runs, written beside the run's outputs.
         self.config = dataclasses.replace(config, strategy=strategy_name,
                                           precision=self.precision.precision)
@@ -116,7 +114,13 @@ class Runner:
         # The devices this process spreads one model over (model_parallel.devices > 1):
         # `scope()` hands them to tfdist.parallel's layers.
         self.model_devices: tuple[str, ...] = self._adapter.model_devices
-        logging.info("tfdist: patches active: %s", ", ".join(patches.active()) or "none")
+        if config.every_process_prints:
+            patches.keras_callbacks.PROGRESS_ON_THE_CHIEF.undo()
+        if self.speaks:
+            logging.info("tfdist: strategy %s (%s)", strategy_name.value, self.strategy_reason)
+            logging.info("tfdist: precision %s (%s)", self.precision.name,
+                         self.precision.reason)
+            logging.info("tfdist: patches active: %s", ", ".join(patches.active()) or "none")
 
     def summary(self) -> str:
         """One line: the strategy, its replicas and why, the precision and why.
@@ -182,6 +186,12 @@ class Runner:
     def is_chief(self) -> bool:
         """Whether this process writes logs, checkpoints and the resolved config."""
         return self._adapter.is_chief
+
+    @property
+    def speaks(self) -> bool:
+        """Whether this process prints progress bars and tfdist's status lines: the chief,
+        or every process with `every_process_prints: true` (warnings and errors: all)."""
+        return self.is_chief or self.config.every_process_prints
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:

@@ -18,8 +18,8 @@ One module per upstream component:
     tensorflow_backprop   GradientTape (gradients of sharded variables)
     tensorflow_distribute the strategies (sharded updates, collective keys, CPU replicas)
     keras_normalization   Keras's synchronized batch statistics (over Horovod's ranks)
-    keras_callbacks       Keras's BackupAndRestore, ModelCheckpoint, CSVLogger and
-                          TensorBoard (one writer across processes)
+    keras_callbacks       Keras's BackupAndRestore, ModelCheckpoint, CSVLogger,
+                          TensorBoard and progress bar (one writer across processes)
     keras_export          Keras's Model.export (the whole weights of ZeRO stage 3)
     horovod_tensorflow    horovod.tensorflow (Keras 3 variables in its ops)
 
@@ -54,6 +54,7 @@ MULTI_WORKER: tuple[Patch, ...] = (
     keras_callbacks.BACKUP_ONE_WRITER,
     keras_callbacks.BACKUP_ONE_CLEANER,
     *keras_callbacks.USER_FILE_WRITERS,
+    keras_callbacks.PROGRESS_ON_THE_CHIEF,
 )
 PARAMETER_SERVER: tuple[Patch, ...] = (
     keras_variables.ATOMIC_ASSIGN_ADD,
@@ -76,6 +77,7 @@ HOROVOD: tuple[Patch, ...] = (
     keras_callbacks.BACKUP_ONE_WRITER,
     keras_callbacks.BACKUP_ONE_CLEANER,
     *keras_callbacks.USER_FILE_WRITERS,
+    keras_callbacks.PROGRESS_ON_THE_CHIEF,
     keras_export.ZERO3_WHOLE_WEIGHTS,
 )
 # `tfdist.parallel`'s layers, when built: one model over several devices of a process.

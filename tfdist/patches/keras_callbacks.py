@@ -1,8 +1,9 @@
-"""Patches to Keras 3's callbacks that write files: one writer across processes.
+"""Patches to Keras 3's callbacks that write files or the console: one writer across processes.
 
 `BackupAndRestore` (`keras/src/callbacks/backup_and_restore.py`), and the user's
 `ModelCheckpoint`, `CSVLogger` and `TensorBoard`, which every process of a multi-process
-run executes with the same paths; on a shared file system they write one file at once.
+run executes with the same paths; on a shared file system they write one file at once. And
+`ProgbarLogger`, which `fit` adds by itself: every process draws the same progress bar.
 
 Under `MultiWorkerMirroredStrategy` every worker runs the user's callbacks, and Keras 3's
 `BackupAndRestore` has every worker write the same `latest.weights.h5` and
@@ -147,6 +148,23 @@ def _one_writer(paths: tuple[str, ...], model_argument: bool = False) -> Callabl
     return replacement
 
 
+def _progbar_logger_class() -> Any:
+    from keras.src.callbacks import progbar_logger
+
+    return progbar_logger.ProgbarLogger
+
+
+def _progress_on_the_chief(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def set_params(self, params):
+        original(self, params)
+        if not writes_shared_files(self.model):
+            # What Horovod's docs ask of every script: `verbose=1 if hvd.rank() == 0 else 0`.
+            self.verbose = 0
+
+    return set_params
+
+
 def _model_checkpoint_class() -> Any:
     from keras.src.callbacks import model_checkpoint
 
@@ -214,3 +232,13 @@ TENSORBOARD_ONE_WRITER = Patch(
 
 # The user's own callbacks that write files, under every multi-process strategy.
 USER_FILE_WRITERS = (CHECKPOINT_ONE_WRITER, CSV_LOGGER_ONE_WRITER, TENSORBOARD_ONE_WRITER)
+
+PROGRESS_ON_THE_CHIEF = Patch(
+    "keras.callbacks.progress_bar_on_the_chief",
+    owner=_progbar_logger_class, attribute="set_params", replacement=_progress_on_the_chief,
+    bug_present=lambda original: (source_contains(original, "self.verbose = verbose")
+                                  and not source_contains(original, "chief")),
+    upstream="none filed: Keras 3 draws fit's progress bar in every process of a "
+             "multi-process run",
+    summary="every process prints fit's progress bars: N bars an epoch, their lines run "
+            "together")

@@ -238,7 +238,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                                f"must be the same shared storage for every process (a shared "
                                f"file system, or gs://...)")
         if path is None:
-            logging.info("tfdist: no checkpoint in %s; training from the start", self.directory)
+            if self._speaks:
+                logging.info("tfdist: no checkpoint in %s; training from the start",
+                             self.directory)
             return
         self._position.reload()
         if self._position.format_version > FORMAT_VERSION:
@@ -314,8 +316,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                               f"checkpoint.resume_changed=true. "
                               f"Received: checkpoint_dir={directory!r}")
         if changes:
-            _say(f"resuming {directory} although the run changed "
-                 f"(checkpoint.resume_changed): {'; '.join(changes)}")
+            self._say(f"resuming {directory} although the run changed "
+                      f"(checkpoint.resume_changed): {'; '.join(changes)}")
         if self._adapter.is_chief and recorded != current:
             record_identity(directory, current)
 
@@ -334,6 +336,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resume(f"resuming from the last commit with {self._adapter.num_processes} "
                      f"process(es)")
 
+    @property
+    def _speaks(self) -> bool:
+        """This process prints status lines: the chief, or all with every_process_prints."""
+        return self._adapter.is_chief or self._adapter.config.every_process_prints
+
+    def _say(self, message: str) -> None:
+        if self._speaks:
+            print(f"tfdist: {message}", file=sys.stderr, flush=True)
+
     def _resume(self, how: str) -> None:
         """Continues from the position just restored, on the state just restored."""
         model = self.model
@@ -344,16 +355,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._saved_at = (position.epoch, position.step, position.global_step)
         self._resume_epoch, self._skip = position.epoch, position.step
         self.model._initial_epoch = position.epoch
-        _say(f"{how}: {position.describe()}")
+        self._say(f"{how}: {position.describe()}")
         epochs = self.params.get("epochs") if self.params else None
         if isinstance(epochs, int) and position.epoch >= epochs:
-            _say(f"the run in {self.directory} finished all {position.epoch} epochs: nothing "
-                 f"to train. Ask for more epochs to train it longer, or use another "
-                 f"checkpoint folder to start a new run")
+            self._say(f"the run in {self.directory} finished all {position.epoch} epochs: "
+                      f"nothing to train. Ask for more epochs to train it longer, or use "
+                      f"another checkpoint folder to start a new run")
         if position.epoch or position.step:
             notice = self._pipelines.unreproducible()
-            if notice and self._adapter.is_chief:
-                _say(notice)
+            if notice:
+                self._say(notice)
             self._pipelines.advance(position.epoch)
 
     def _skip_first_steps(self, count: int) -> None:
@@ -415,7 +426,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                                               self._sharded.shard_state())
                     self._adapter.barrier("tfdist_shards_written")
                 path = self._store.save(position.global_step)
-                logging.info("tfdist: saved %s (%s)", path, position.describe())
+                if self._speaks:
+                    logging.info("tfdist: saved %s (%s)", path, position.describe())
             if self._elastic is not None:
                 self._elastic.save()
         self._saved_global_step, self._saved_at = position.global_step, where
@@ -433,8 +445,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _stop(self) -> None:
         self._save()
         where = f", saved to {self.directory}" if self.directory else ""
-        _say(f"preempted (SIGTERM): every process stopped at {self._position.describe()}"
-             f"{where}; exiting with status {RESTART_EXIT_CODE} to be restarted")
+        self._say(f"preempted (SIGTERM): every process stopped at {self._position.describe()}"
+                  f"{where}; exiting with status {RESTART_EXIT_CODE} to be restarted")
         self._watch.stopping_for_restart()
         self._release(deliver_signal=False)
         raise SystemExit(RESTART_EXIT_CODE)
@@ -477,7 +489,3 @@ def _variables_of(group: Any) -> list[Any]:
 def _metric_variables(model: keras.Model) -> list[Any]:
     """The totals and counts of the model's metrics, in a fixed order."""
     return [variable for metric in model.metrics for variable in metric.variables]
-
-
-def _say(message: str) -> None:
-    print(f"tfdist: {message}", file=sys.stderr, flush=True)
