@@ -5,7 +5,8 @@
     python examples/keras_fit.py --strategy mirrored --precision mixed_bfloat16 --epochs 5
     tfdist launch -n 2 -- python examples/keras_fit.py --strategy multi_worker
     tfdist launch -n 2 --ps 1 -- python examples/keras_fit.py --strategy parameter_server
-    mpirun -np 2 python examples/keras_fit.py --strategy horovod
+    tfdist isolate -- mpirun --allow-run-as-root -np 2 \
+        python examples/keras_fit.py --strategy horovod
     tfdist launch -n 2 --max_restarts 3 -- python examples/keras_fit.py \
         --strategy multi_worker --checkpoint_dir /tmp/keras_fit_ckpt
 
