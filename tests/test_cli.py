@@ -152,6 +152,17 @@ def test_usage(args, status, fragment, tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_command_line_with_several_mistakes_gets_a_line_for_each(tmp_path):
+    result = run_command([TFDIST, "train", "--strategy", "mirorred", "--set", "train.epochz=2",
+                          "--set", "accumulation_steps=0"], cwd=tmp_path)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(lines) == 3 and all(line.startswith("tfdist: error: ") for line in lines), lines
+    assert "'mirorred'" in lines[0] and "train.epochz" in lines[1]
+    assert "accumulation_steps must be" in lines[2]
+
+
+@pytest.mark.multiprocess
 def test_train_help_lists_tfdist_flags(tmp_path):
     result = run_command([TFDIST, "train", "--help"], cwd=tmp_path)
     assert result.returncode == 0

@@ -163,3 +163,17 @@ def test_arguments_of_the_wrong_kind_are_one_line(call, message):
     with pytest.raises(ConfigError) as raised:
         call()
     assert str(raised.value) == message
+
+
+def test_several_mistakes_are_reported_together_a_line_each(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("strategy: mirorred\naccumulation_steps: 0\ntrain:\n  epochz: 3\n"
+                    "mirrored:\n  cpu_replicas: two\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    lines = str(raised.value).splitlines()
+    assert raised.value.problems == lines
+    assert [line.split(";")[0].split(" must")[0] for line in lines] == [
+        "unknown strategy 'mirorred'", "mirrored.cpu_replicas", "unknown config key 'train.epochz'",
+        "accumulation_steps"]
+    assert all("Received: " in line for line in lines)

@@ -74,7 +74,7 @@ def _above(low: float, requirement: str) -> _Bound:
 def _field(default: Any, help: str,  # noqa: A002 - `help` is the metadata's name
            bound: _Bound | None = None) -> Any:
     """A config field: its default, its help (`tfdist train --help`), and the bound its
-    value must keep (checked by `_check_bounds`; None, as for an unset seed, is not checked)."""
+    value must keep (checked by `_out_of_bounds`; None, as for an unset seed, is not checked)."""
     return dataclasses.field(default=default, metadata={"help": help, "bound": bound})
 
 
@@ -354,8 +354,19 @@ class Config:
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
+        problems: list[str] = []
+        coerced = set()
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _coerce(getattr(self, f.name), hints[f.name], f.name))
+            try:
+                value = _coerce(getattr(self, f.name), hints[f.name], f.name)
+            except ConfigError as error:  # the next fields' mistakes are reported too
+                problems += error.problems
+                continue
+            object.__setattr__(self, f.name, value)
+            coerced.add(f.name)
+        problems += _out_of_bounds(self, "", only=coerced)
+        if problems:
+            raise ConfigError.of(problems)
         _validate(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -483,22 +494,41 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
 
 def _coerce_section(value: Any, cls: type, key: str) -> Any:
     prefix = f"{key}." if key else ""
+    problems: list[str] = []
     if isinstance(value, cls):
         given = {f.name: getattr(value, f.name) for f in dataclasses.fields(cls)}
     elif isinstance(value, Mapping):
         given = dict(value)
-        _check_known_keys(given, cls, prefix)
+        problems += _unknown_keys(given, cls, prefix)
+        known = {f.name for f in dataclasses.fields(cls)}
+        given = {name: v for name, v in given.items() if name in known}
     else:
         where = key or "the config"
         return _wrong_type(where, value, "a mapping of keys to values")
     if cls is Config:  # Config coerces and validates itself in __post_init__.
-        return Config(**given)
+        try:
+            config = Config(**given)
+        except ConfigError as error:
+            raise ConfigError.of(problems + error.problems) from None
+        if problems:
+            raise ConfigError.of(problems)
+        return config
     hints = typing.get_type_hints(cls)
-    return cls(**{name: _coerce(v, hints[name], prefix + name) for name, v in given.items()})
+    coerced = {}
+    for name, v in given.items():
+        try:
+            coerced[name] = _coerce(v, hints[name], prefix + name)
+        except ConfigError as error:
+            problems += error.problems
+    if problems:
+        raise ConfigError.of(problems)
+    return cls(**coerced)
 
 
-def _check_known_keys(given: Mapping[str, Any], cls: type, prefix: str) -> None:
+def _unknown_keys(given: Mapping[str, Any], cls: type, prefix: str) -> list[str]:
+    """A line for each key of `given` that `cls` does not have."""
     known = [f.name for f in dataclasses.fields(cls)]
+    problems = []
     for name in given:
         if name in known:
             continue
@@ -508,8 +538,9 @@ def _check_known_keys(given: Mapping[str, Any], cls: type, prefix: str) -> None:
             k for k in every_key if k.rsplit(".", 1)[-1] == name][:1]
         hint = f"did you mean '{close[0]}'? " if close else ""
         where = f"under '{prefix[:-1]}'" if prefix else "at the top level"
-        raise ConfigError(f"unknown config key '{full}'; {hint}valid keys {where}: "
-                          f"{', '.join(known)}. Received: {full}={given[name]!r}")
+        problems.append(f"unknown config key '{full}'; {hint}valid keys {where}: "
+                        f"{', '.join(known)}. Received: {full}={given[name]!r}")
+    return problems
 
 
 def _wrong_type(key: str, value: Any, expected: str) -> Any:
@@ -531,7 +562,7 @@ def _plain(value: Any) -> Any:
 
 
 def _validate(config: Config) -> None:
-    _check_bounds(config, "")
+    """The combinations of values; each value is of its type and within its bound here."""
 
     def require(ok: bool, key: str, value: Any, requirement: str) -> None:
         if not ok:
@@ -559,18 +590,22 @@ def _validate(config: Config) -> None:
     check_precision_supported(config.strategy, config.precision)
 
 
-def _check_bounds(section: Any, prefix: str) -> None:
-    """Every field's bound (`_field(..., bound=...)`), sections included, in the order the
-    fields are declared; the first value out of bounds raises its one line."""
+def _out_of_bounds(section: Any, prefix: str, only: set[str] | None = None) -> list[str]:
+    """A line for each field out of its bound (`_field(..., bound=...)`), sections
+    included, in the order the fields are declared (`only`: these fields of `section`)."""
+    problems = []
     for f in dataclasses.fields(section):
+        if only is not None and f.name not in only:
+            continue
         value, key = getattr(section, f.name), prefix + f.name
         if dataclasses.is_dataclass(value):
-            _check_bounds(value, key + ".")
+            problems += _out_of_bounds(value, key + ".")
             continue
         bound = f.metadata.get("bound")
         if bound is not None and value is not None and not bound.holds(value):
-            raise ConfigError(f"{key} must be {bound.requirement}. Received: "
-                              f"{key}={_plain(value)!r}")
+            problems.append(f"{key} must be {bound.requirement}. Received: "
+                            f"{key}={_plain(value)!r}")
+    return problems
 
 
 def check_precision_supported(strategy: Strategy, precision: Precision | None) -> None:

@@ -4,8 +4,9 @@
 class ConfigError(ValueError):
     """Bad input: a config value, a flag, the cluster environment or a request.
 
-    The message is one line: what is wrong, what to do, and what was received.
-    The CLI prints it alone and exits with status 2.
+    Each mistake is one line: what is wrong, what to do, and what was received. A config
+    with several mistakes raises one error with a line for each (`problems`). The CLI
+    prints each line after `tfdist: error: ` and exits with status 2.
 
     Example:
 
@@ -14,6 +15,22 @@ class ConfigError(ValueError):
     Traceback (most recent call last):
     tfdist.errors.ConfigError: accumulation_steps must be ...
     """
+
+    @classmethod
+    def of(cls, problems: "list[str]") -> "ConfigError":
+        """One error for several mistakes, a line each."""
+        error = cls("\n".join(problems))
+        error.problems = list(problems)
+        return error
+
+    @property
+    def problems(self) -> "list[str]":
+        """The mistakes, one line each."""
+        return self.__dict__.get("_problems") or str(self).splitlines() or [str(self)]
+
+    @problems.setter
+    def problems(self, problems: "list[str]") -> None:
+        self.__dict__["_problems"] = problems
 
 
 class ClusterError(RuntimeError):

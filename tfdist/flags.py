@@ -119,8 +119,9 @@ def run(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> 
         try:
             return main(arguments)
         except ConfigError as error:
-            print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr,
-                  flush=True)
+            for line in error.problems:  # a line for each mistake
+                print(f"{os.path.basename(sys.argv[0])}: error: {line}", file=sys.stderr,
+                      flush=True)
             sys.exit(2)
 
     app.run(one_line_errors, argv=None if argv is None else list(argv))

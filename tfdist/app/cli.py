@@ -173,7 +173,9 @@ def _peer_failure(error: Exception) -> str | None:
 
 
 def _fail(message: str, status: int = 2) -> NoReturn:
-    print(f"tfdist: error: {message}", file=sys.stderr, flush=True)
+    # A line for each mistake (a config with several has several).
+    for line in str(message).splitlines() or [""]:
+        print(f"tfdist: error: {line}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 
