@@ -49,14 +49,7 @@ def machine_addresses():
 def listening_ports(pid):
     """The TCP ports process `pid` listens on (its own sockets, IPv4 and IPv6)."""
     proc = Path(f"/proc/{pid}")
-    inodes = set()
-    for descriptor in (proc / "fd").iterdir():
-        try:
-            target = descriptor.readlink().as_posix()
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+    inodes = socket_inodes(pid)
     ports = set()
     for table in ("tcp", "tcp6"):
         for row in (proc / "net" / table).read_text().splitlines()[1:]:
@@ -66,12 +59,38 @@ def listening_ports(pid):
     return ports
 
 
-def reachable(address, port):
+def socket_inodes(pid):
+    """The inodes of process `pid`'s sockets."""
+    inodes = set()
+    for descriptor in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = descriptor.readlink().as_posix()
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
+def reached(pids, address, port):
+    """Whether a connection to `address`:`port` is accepted, by a socket of one of `pids`.
+
+    The connection is accepted by a listener in this machine's network (the one this
+    test runs in); it counts only when that listener is one of `pids`' sockets. Another
+    process on the machine (another test's ranks, say) may listen on the same port
+    number, and a process in a private network has no listener here at all."""
     try:
         with socket.create_connection((address, port), timeout=2):
-            return True
+            pass
     except OSError:
         return False
+    listeners = set()
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                listeners.add(fields[9])
+    return bool(listeners & set().union(*(socket_inodes(pid) for pid in pids)))
 
 
 def wait_for(path, process, bound_seconds=LAUNCH_BOUND_SECONDS):
@@ -98,8 +117,9 @@ def probed_launch(tmp_path, strategy, ps=0, network=None):
         time.sleep(1)  # the other tasks' servers: started with the chief's, or before it
         listeners = {path.stem: listening_ports(int(path.read_text()))
                      for path in out.glob("*.pid")}
+        pids = [int(path.read_text()) for path in out.glob("*.pid")]
         accepted = [(address, port) for ports in listeners.values() for port in ports
-                    for address in machine_addresses() if reachable(address, port)]
+                    for address in machine_addresses() if reached(pids, address, port)]
         (out / "probed").touch()
         output, _ = process.communicate(timeout=LAUNCH_BOUND_SECONDS)
     finally:
@@ -203,7 +223,7 @@ def test_the_docs_mpirun_command_leaves_no_listener_reachable(tmp_path, isolated
                 break
             time.sleep(0.5)
         accepted = [(address, port) for ports in listeners.values() for port in ports
-                    for address in machine_addresses() if reachable(address, port)]
+                    for address in machine_addresses() if reached(tree, address, port)]
         output, _ = process.communicate(timeout=LAUNCH_BOUND_SECONDS)
     finally:
         if process.poll() is None:
