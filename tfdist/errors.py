@@ -16,21 +16,14 @@ class ConfigError(ValueError):
     tfdist.errors.ConfigError: accumulation_steps must be ...
     """
 
+    def __init__(self, *args: object):
+        super().__init__(*args)
+        self.problems: list[str] = str(self).splitlines() or [str(self)]  # one line each
+
     @classmethod
     def of(cls, problems: "list[str]") -> "ConfigError":
         """One error for several mistakes, a line each."""
-        error = cls("\n".join(problems))
-        error.problems = list(problems)
-        return error
-
-    @property
-    def problems(self) -> "list[str]":
-        """The mistakes, one line each."""
-        return self.__dict__.get("_problems") or str(self).splitlines() or [str(self)]
-
-    @problems.setter
-    def problems(self, problems: "list[str]") -> None:
-        self.__dict__["_problems"] = problems
+        return cls("\n".join(problems))
 
 
 class ClusterError(RuntimeError):
