@@ -1,74 +1,49 @@
-"""The README's and the docs site's code blocks, checked: each is run, parsed, or marked
-with what checks it instead.
-
-- A `python` block that starts with an import is a whole program: it runs in a fresh
-  process in an empty folder.
-- A `yaml` block is a config: `tfdist.load_config` reads it.
-- A `text` block is output or a listing, shown as it is.
-- Any other block (a fragment of a program the text around it describes, shell commands)
-  follows an HTML comment saying what checks it: `<!-- fragment -->`, `<!-- checked by:
-  tests/A.py, tests/B.py -->` (test files that run those commands; `.ci/run` for the make
-  targets CI runs), or `<!-- needs: a cluster -->` (or a GPU, a TPU).
+"""The README's and the docs site's code blocks run as written (tests/docs_blocks.py has the
+rules): every page's blocks, in order, in a copy of the repository, each run checked for
+what the page says it prints, writes or trains to. A block changed to be wrong fails.
 
 The site itself is built with `mkdocs build --strict` by `make test`; a broken link fails it
 (shown here on a copy with one).
 """
 
-import re
 import shutil
 import sys
 
 import pytest
 
 from tests.conftest import REPO, run_command
+from tests.docs_blocks import (NEEDS, PAGES, all_blocks, copy_of_repository, page_blocks,
+                               run_page, runs_in_its_page)
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-BLOCK = re.compile(r"(?:^<!-- (?P<mark>[^>]*?) -->\n)?^```(?P<lang>\w*)\n(?P<body>.*?)^```$",
-                   flags=re.S | re.M)
-MARKS = re.compile(r"^(fragment|checked by: (?P<tests>[^ ].*)|needs: (a cluster|a GPU|a TPU))$")
+CLAUSES = {"under", "prints", "writes", "accuracy above", "needs"}
+RUN_PAGES = [page for page in PAGES if any(map(runs_in_its_page, page_blocks(page)))]
 
 
-def blocks():
-    """(page, language, mark, body) of every fenced block."""
-    found = []
+def test_every_block_runs_here_or_needs_what_this_machine_lacks():
+    assert len(all_blocks()) >= 30
+    wrong = []
+    for block in all_blocks():
+        first = block.body.splitlines()[0] if block.body else ""
+        unknown = {name for name, _ in block.marks} - CLAUSES
+        if unknown:
+            wrong.append(f"{block.where}: unknown clauses {sorted(unknown)} before {first!r}")
+        if block.mark("needs") is not None and block.mark("needs") not in NEEDS:
+            wrong.append(f"{block.where}: needs {block.mark('needs')!r}: not one of {NEEDS}")
+        if block.lang not in ("python", "sh", "yaml", "text"):
+            wrong.append(f"{block.where}: a ```{block.lang} block: neither run nor read")
+    assert wrong == []
+
+
+def test_a_continuing_block_joins_its_pages_last_program():
+    # The first python block of every page is a whole program, so a continuing one always
+    # has one to join.
     for page in PAGES:
-        for match in BLOCK.finditer(page.read_text()):
-            found.append((page.relative_to(REPO).as_posix(), match["lang"], match["mark"],
-                          match["body"]))
-    return found
+        python = [block for block in page_blocks(page) if block.lang == "python"]
+        assert not python or python[0].is_program, python[0].where
 
 
-def programs():
-    seen, runnable = set(), []
-    for page, lang, mark, body in blocks():
-        if lang == "python" and not mark and body.startswith(("import ", "from ")):
-            if body not in seen:
-                seen.add(body)
-                runnable.append(pytest.param(body, id=f"{page}:{body.splitlines()[0][:30]}"))
-    return runnable
-
-
-def test_every_block_is_run_parsed_or_marked_with_what_checks_it():
-    assert len(blocks()) >= 20
-    unchecked = []
-    for page, lang, mark, body in blocks():
-        first = body.splitlines()[0] if body else ""
-        if mark:
-            match = MARKS.match(mark)
-            named = match["tests"].split(", ") if match and match["tests"] else []
-            if not match or not all(re.fullmatch(r"tests/\S+\.py|\.ci/run", name)
-                                    and (REPO / name).is_file() for name in named):
-                unchecked.append(f"{page}: unknown mark <!-- {mark} --> before {first!r}")
-        elif lang == "python" and first.startswith(("import ", "from ")):
-            continue
-        elif lang not in ("yaml", "text"):
-            unchecked.append(f"{page}: ```{lang} block {first!r} is neither run nor marked")
-    assert unchecked == []
-
-
-@pytest.mark.parametrize("body", [pytest.param(body, id=f"{page}:{body.splitlines()[0][:30]}")
-                                  for page, lang, mark, body in blocks()
-                                  if lang == "yaml" and not mark])
+@pytest.mark.parametrize("body", [pytest.param(block.body, id=block.where)
+                                  for block in all_blocks() if block.lang == "yaml"])
 def test_a_yaml_block_is_a_config_tfdist_reads(body, tmp_path):
     from tfdist import load_config
 
@@ -78,10 +53,29 @@ def test_a_yaml_block_is_a_config_tfdist_reads(body, tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("body", programs())
-def test_a_program_runs_as_written(body, tmp_path):
-    result = run_command([sys.executable, "-c", body], cwd=tmp_path, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+@pytest.mark.parametrize("page", [pytest.param(page, id=page.relative_to(REPO).as_posix())
+                                  for page in RUN_PAGES])
+def test_a_page_runs_as_written(page, tmp_path):
+    runs = run_page(page, copy_of_repository(tmp_path))
+    assert runs
+    assert [problem for run in runs for problem in run.problems()] == []
+
+
+@pytest.mark.multiprocess
+def test_a_page_with_a_wrong_block_fails(tmp_path):
+    # The README's program, twice made wrong: an import left out, and logits given to a loss
+    # that expects probabilities (it runs, and its loss even falls, but it learns nothing).
+    (program,) = [block.body for block in page_blocks(REPO / "README.md")
+                  if block.lang == "python" and "runner.dataset" in block.body]
+    mark = "<!-- accuracy above: 0.8 -->\n"
+    missing_import = program.replace("import keras, numpy as np,", "import keras,", 1)
+    logits = program.replace('Dense(2, activation="softmax")', "Dense(2)", 1)
+    assert missing_import != program and logits != program
+    page = tmp_path / "wrong.md"
+    page.write_text(f"{mark}```python\n{missing_import}```\n\n{mark}```python\n{logits}```\n")
+    first, second = run_page(page, copy_of_repository(tmp_path / "repo"))
+    assert "NameError: name 'np' is not defined" in first.problems()[0]
+    assert second.returncode == 0 and "not above 0.8" in second.problems()[0]
 
 
 @pytest.mark.multiprocess

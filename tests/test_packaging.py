@@ -1,6 +1,7 @@
 """The wheel, installed into a fresh environment outside the repository, trains from a preset."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 
 from tfdist.app.launch import task_output
 from tests.conftest import REPO, last_json_line, run_command
+from tests.docs_blocks import Run, all_blocks, copy_of_repository, installs, shell_lines
 
 # One worker runs this module: its tests share one wheel, and two builds at once in the
 # checkout's build/ folder collide ("File exists: build/bdist.../tfdist-0.1.0.dist-info").
@@ -27,16 +29,23 @@ def wheel(tmp_path_factory):
     return found
 
 
-def environment(root, wheel, dependencies):
-    """A virtual environment in `root` holding only the wheel, and `dependencies` (a
-    folder) on its path; returns its bin folder and an empty folder to run in."""
-    env = root / "env"
+def empty_environment(env: Path, dependencies) -> Path:
+    """A virtual environment at `env` with nothing installed and `dependencies` (a folder)
+    on its path; returns its python."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     python = env / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; "
                                 "print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "dependencies.pth").write_text(f"{dependencies}\n")
+    return python
+
+
+def environment(root, wheel, dependencies):
+    """A virtual environment in `root` holding only the wheel, and `dependencies` (a
+    folder) on its path; returns its bin folder and an empty folder to run in."""
+    env = root / "env"
+    python = empty_environment(env, dependencies)
     done = run_command([str(python), "-m", "pip", "install", "--no-deps", "--no-index",
                         "--ignore-installed", str(wheel)], cwd=root, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -129,3 +138,22 @@ def test_without_horovod_the_wheel_names_a_script_it_holds(installed):
     python, script = command.groups()
     assert python == str(bin_dir / "python")
     assert script.startswith(str(bin_dir.parent)) and Path(script).is_file(), script
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("block", [pytest.param(block, id=block.where)
+                                   for block in all_blocks() if installs(block)])
+def test_the_install_commands_run_as_written(block, tmp_path):
+    # The README's and the install page's blocks, line by line, in a copy of the repository,
+    # with an empty environment's bin first on PATH: its `python` is the one they name, and
+    # the dependencies pip is told to install are there already (this environment's).
+    bin_dir = empty_environment(tmp_path / "env", sysconfig.get_paths()["purelib"]).parent
+    folder = copy_of_repository(tmp_path / "clone")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    problems = []
+    for line in shell_lines(block.body):
+        done = run_command(["bash", "-o", "pipefail", "-c", line], cwd=folder, env=env,
+                           timeout=300)
+        problems += Run(block.where, line, done.returncode, done.stdout + done.stderr).problems()
+    assert problems == []
+    assert (tmp_path / "env" / "bin" / "tfdist").is_file()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from typing import Any
 
 import keras
@@ -108,9 +109,14 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
     if job.tensorboard:
         callbacks.append(keras.callbacks.TensorBoard(
             runner.writable_dir(os.path.join(job.output_dir, "tensorboard"))))
+    # A progress bar on a terminal; elsewhere (a pipe, a log file) one line per epoch:
+    # Keras's bar takes every POSIX stream for a terminal (keras/src/utils/progbar.py,
+    # `"posix" in sys.modules`) and redraws in place with carriage returns, so a log
+    # holds every redraw and each epoch's last line twice.
+    shows_bar = sys.stdout.isatty()
     history = model.fit(train_data, epochs=job.epochs, callbacks=callbacks,
                         shuffle=False,  # The dataset shuffles itself, once per epoch.
-                        verbose=1 if runner.is_chief else 0)
+                        verbose=(1 if shows_bar else 2) if runner.is_chief else 0)
     test_loss, test_accuracy = model.evaluate(
         runner.dataset(splits.test, job.global_batch_size, drop_remainder=False), verbose=0)
     result = {
