@@ -20,7 +20,8 @@ What a page may hold:
 - an HTML comment right before a block, with clauses separated by `;`:
   `under: LAUNCHER` (the python block runs as `LAUNCHER python program.py`),
   `prints: A | B` (output lines equal to A, then B), `writes: PATH, PATH` (there after),
-  `accuracy above: X` (the last accuracy Keras or a result line shows),
+  `accuracy above: X` (the last accuracy Keras or a result line shows), `loss below: X`
+  (the last loss Keras shows),
   `needs: a cluster` (or a GPU, a TPU: not run here).
 
 A page's blocks run in order in one folder holding a copy of the repository's files
@@ -254,6 +255,11 @@ def _check_marks(block: Block, run: Run | None, folder: Path) -> None:
     for name in filter(None, (part.strip() for part in (block.mark("writes") or "").split(","))):
         if not (folder / name).exists():
             run.unmet.append(f"{name} not written")
+    if block.mark("loss below") is not None:
+        losses = [float(value) for value in LOSS.findall(ANSI.sub("", run.output))]
+        if not losses or not losses[-1] < float(block.mark("loss below")):
+            run.unmet.append(f"loss {losses[-1:] or 'never shown'}, not below "
+                             f"{block.mark('loss below')}")
     if block.mark("accuracy above") is not None:
         reached = [float(value) for value in ACCURACY.findall(ANSI.sub("", run.output))]
         if not reached or not reached[-1] > float(block.mark("accuracy above")):

@@ -15,7 +15,7 @@ from tests.conftest import REPO, run_command
 from tests.docs_blocks import (NEEDS, PAGES, all_blocks, copy_of_repository, page_blocks,
                                run_page, runs_in_its_page)
 
-CLAUSES = {"under", "prints", "writes", "accuracy above", "needs"}
+CLAUSES = {"under", "prints", "writes", "accuracy above", "loss below", "needs"}
 RUN_PAGES = [page for page in PAGES if any(map(runs_in_its_page, page_blocks(page)))]
 
 
@@ -67,7 +67,7 @@ def test_a_page_with_a_wrong_block_fails(tmp_path):
     # that expects probabilities (it runs, and its loss even falls, but it learns nothing).
     (program,) = [block.body for block in page_blocks(REPO / "README.md")
                   if block.lang == "python" and "runner.dataset" in block.body]
-    mark = "<!-- accuracy above: 0.8 -->\n"
+    mark = "<!-- accuracy above: 0.95; loss below: 0.1 -->\n"
     missing_import = program.replace("import keras, numpy as np,", "import keras,", 1)
     logits = program.replace('Dense(2, activation="softmax")', "Dense(2)", 1)
     assert missing_import != program and logits != program
@@ -75,7 +75,7 @@ def test_a_page_with_a_wrong_block_fails(tmp_path):
     page.write_text(f"{mark}```python\n{missing_import}```\n\n{mark}```python\n{logits}```\n")
     first, second = run_page(page, copy_of_repository(tmp_path / "repo"))
     assert "NameError: name 'np' is not defined" in first.problems()[0]
-    assert second.returncode == 0 and "not above 0.8" in second.problems()[0]
+    assert second.returncode == 0 and "not below 0.1" in " ".join(second.problems())
 
 
 @pytest.mark.multiprocess

@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.xdist_group("adapters_horovod")
 
 SCRIPT = str(REPO / "tests" / "scripts" / "horovod_training.py")
 TOLERANCE = 1e-5
+MIXED_TOLERANCE = 1e-3  # float16 compute: see the mixed_float16 test
 
 
 def reports(out_dir):
@@ -66,6 +68,8 @@ VARIANTS = {
                                  "--without=broadcast"],
     "fp16_inf": ["--precision=mixed_float16", "--inf_at_step=3", "--epochs=1",
                  "--optimizer=adam"],
+    "fp16_inf_sgd": ["--precision=mixed_float16", "--inf_at_step=3", "--epochs=1",
+                     "--optimizer=sgd"],
 }
 
 
@@ -83,15 +87,24 @@ def variants(tmp_path_factory):
     return get
 
 
-def one_device_run(start, optimizer, steps, epochs, learning_rate=None, embedding=False):
-    """one_device with the global batch, from the same start: (weights, history)."""
+def training_job():
+    """tests/scripts/horovod_training.py, imported: its model, data and optimizers."""
     sys.path.insert(0, str(REPO / "tests" / "scripts"))
-    import horovod_training as job
+    import horovod_training
+
+    return horovod_training
+
+
+def one_device_run(start, optimizer, steps, epochs, learning_rate=None, embedding=False,
+                   precision="float32", inf_at_step=None):
+    """one_device with the global batch, from the same start: (weights, history); with
+    mixed_float16, also the loss scale at the end."""
     import tensorflow as tf
 
+    job = training_job()
     keras.backend.clear_session()
     runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device",
-                                                         "precision": "float32"}))
+                                                         "precision": precision}))
     with runner.scope():
         model = job.make_model(embedding)
         model.set_weights(start)
@@ -101,9 +114,49 @@ def one_device_run(start, optimizer, steps, epochs, learning_rate=None, embeddin
         model.compile(runner.optimizer(made), "sparse_categorical_crossentropy",
                       metrics=["accuracy"])
     data = runner.dataset(tf.data.Dataset.from_tensor_slices(
-        job.examples(steps, embedding=embedding)), job.GLOBAL_BATCH)
+        job.examples(steps, inf_at_step, embedding=embedding)), job.GLOBAL_BATCH)
     history = model.fit(data, epochs=epochs, verbose=0)
+    if precision == "mixed_float16":
+        history.history["loss_scale"] = float(model.optimizer.dynamic_scale.numpy())
+        history.history["iterations"] = int(model.optimizer.iterations.numpy())
     return model.get_weights(), history.history
+
+
+def adasum(first, second):
+    """Horovod's Adasum of two ranks' gradients of one tensor, as its CPU code computes it
+    (horovod/common/ops/adasum/adasum.h: dot products in float64): each gradient less half
+    its projection on the other, a gradient whose squared norm is below 1e-8 taken whole."""
+    a, b = np.asarray(first, "float64"), np.asarray(second, "float64")
+    dot, a_squared, b_squared = float(np.sum(a * b)), float(np.sum(a * a)), float(np.sum(b * b))
+    a_coefficient = 1.0 - dot / a_squared * 0.5 if a_squared >= 1e-8 else 1.0
+    b_coefficient = 1.0 - dot / b_squared * 0.5 if b_squared >= 1e-8 else 1.0
+    return a_coefficient * a + b_coefficient * b
+
+
+def one_device_adasum_run(start, steps, epochs):
+    """SGD on one device whose every step applies the Adasum of the two halves' mean
+    gradients: what 2 ranks, each on its half of the global batch, combine with Adasum."""
+    import tensorflow as tf
+
+    job = training_job()
+    keras.backend.clear_session()
+    model = job.make_model()
+    model.set_weights(start)
+    optimizer = job.make_optimizer("sgd")
+    features, labels = job.examples(steps)
+    loss = keras.losses.SparseCategoricalCrossentropy()
+    half = job.GLOBAL_BATCH // 2
+    for _ in range(epochs):
+        for step in range(steps):
+            halves = []
+            for first in (step * job.GLOBAL_BATCH, step * job.GLOBAL_BATCH + half):
+                with tf.GradientTape() as tape:
+                    value = loss(labels[first:first + half],
+                                 model(features[first:first + half], training=True))
+                halves.append(tape.gradient(value, model.trainable_variables))
+            combined = [tf.constant(adasum(a, b), tf.float32) for a, b in zip(*halves)]
+            optimizer.apply_gradients(zip(combined, model.trainable_variables))
+    return model.get_weights()
 
 
 def max_difference(first, second):
@@ -203,6 +256,46 @@ def test_summed_gradients_or_a_scaled_rate_equal_one_device_at_twice_the_rate(se
         assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
 
 
+# Two host names for this machine: horovodrun --gloo starts a rank on each, so each rank
+# is local rank 0 of 1 on its host, and global rank 0 or 1 of 2, as on two machines.
+TWO_HOSTS = ["-H", "localhost:1,127.0.0.1:1"]
+ON_TWO_HOSTS = {
+    "sgd": ["--optimizer=sgd"],
+    "horovod.scale_learning_rate=true": ["--optimizer=sgd",
+                                         "--set=horovod.scale_learning_rate=true"],
+}
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """two_hosts(name): (reports by rank, weights by rank, folder) of that run of
+    ON_TWO_HOSTS, trained with one rank on each of two hosts."""
+    out = tmp_path_factory.mktemp("horovod_two_hosts")
+    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
+    result = run_command([horovodrun, "--gloo", "-np", "2", *TWO_HOSTS, sys.executable, SCRIPT,
+                          str(out), "--variants", json.dumps(ON_TWO_HOSTS)], cwd=out, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return lambda name: (*ranks_of(out / name), out / name)
+
+
+@pytest.mark.parametrize("name, learning_rate", [("sgd", 0.1),
+                                                 ("horovod.scale_learning_rate=true", 0.2)])
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
+def test_ranks_on_two_hosts_slice_and_scale_by_the_global_rank_and_size(name, learning_rate,
+                                                                        two_hosts):
+    # Each rank takes its global rank's slice of every batch (local rank 0 on both hosts
+    # would train both on the first half), and the rate scales by the global size (the
+    # local size, 1, would leave it at 0.1).
+    by_rank, weights_by_rank, out = two_hosts(name)
+    assert [(by_rank[r]["size"], by_rank[r]["local_rank"], by_rank[r]["local_size"])
+            for r in (0, 1)] == [(2, 0, 1)] * 2
+    reference, _ = one_device_run(weights(out / "start.npz"), "sgd", steps=10, epochs=2,
+                                  learning_rate=learning_rate)
+    for rank in (0, 1):
+        assert max_difference(weights_by_rank[rank], reference) < TOLERANCE
+
+
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
@@ -241,11 +334,17 @@ def test_fp16_compression_is_close_to_one_device_but_rounded(variants):
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_adasum_trains_the_same_weights_on_every_rank(variants):
+def test_adasum_equals_one_device_combining_the_halves_gradients_by_adasum(variants):
     by_rank, weights_by_rank, out = variants("adasum")
     assert [by_rank[rank]["iterations"] for rank in (0, 1)] == [20, 20]
-    assert max_difference(weights_by_rank[0], weights_by_rank[1]) == 0.0
-    assert max_difference(weights_by_rank[0], weights(out / "start.npz")) > 1e-2
+    start = weights(out / "start.npz")
+    expected = one_device_adasum_run(start, steps=10, epochs=2)
+    for rank in (0, 1):
+        assert max_difference(weights_by_rank[rank], expected) < TOLERANCE
+    # Neither the halves' average (one device's own step) nor their sum.
+    averaged, _ = one_device_run(start, "sgd", steps=10, epochs=2)
+    summed, _ = one_device_run(start, "sgd", steps=10, epochs=2, learning_rate=0.2)
+    assert max_difference(expected, averaged) > 1e-3 and max_difference(expected, summed) > 1e-3
 
 
 @pytest.mark.parametrize("name, identical", [("seeded", True),
@@ -266,16 +365,25 @@ def test_ranks_seeded_differently_are_identical_after_the_first_step(name, ident
         assert apart > 1e-2  # without the broadcast the ranks keep their own weights
 
 
+@pytest.mark.parametrize("name, optimizer", [("fp16_inf", "adam"), ("fp16_inf_sgd", "sgd")])
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_mixed_float16_inf_on_one_rank_skips_the_step_on_both(variants):
-    by_rank, weights_by_rank, _ = variants("fp16_inf")
+def test_mixed_float16_inf_on_one_rank_skips_the_step_on_both_as_one_device(
+        name, optimizer, variants):
+    by_rank, weights_by_rank, out = variants(name)
     # 10 steps, one skipped everywhere: 9 updates, and the loss scale halved once.
     assert [by_rank[rank]["iterations"] for rank in (0, 1)] == [9, 9]
     assert [by_rank[rank]["loss_scale"] for rank in (0, 1)] == [2.0 ** 14] * 2
     assert max_difference(weights_by_rank[0], weights_by_rank[1]) == 0.0
     assert all(np.all(np.isfinite(array)) for array in weights_by_rank[0])
+    # One device with the inf in its global batch skips the same step. float16 sums of 16
+    # and of 32 examples round apart, hence the tolerance; a step more or less moves the
+    # weights by about 1e-2.
+    expected, history = one_device_run(weights(out / "start.npz"), optimizer, steps=10,
+                                       epochs=1, precision="mixed_float16", inf_at_step=3)
+    assert (history["iterations"], history["loss_scale"]) == (9, 2.0 ** 14)
+    assert max_difference(weights_by_rank[0], expected) < MIXED_TOLERANCE
 
 
 @pytest.mark.requires_mpi
@@ -375,9 +483,12 @@ def test_a_lone_process_says_once_that_it_is_one_rank(tmp_path):
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
-def test_adasum_with_3_ranks_is_one_line(tmp_path):
+@pytest.mark.parametrize("refused, line", [
+    ("--set horovod.op=adasum", "power-of-2 number of ranks"),
+    ("--set train.global_batch_size=64", "global_batch_size 64 does not divide across 3")])
+def test_adasum_or_a_batch_that_does_not_divide_by_3_ranks_is_one_line(refused, line, tmp_path):
     # Each rank's stderr goes to its own file: mpirun may interleave the ranks' output.
-    train = f"{TFDIST} train --strategy=horovod --set horovod.op=adasum"
+    train = f"{TFDIST} train --strategy=horovod {refused}"
     result = run_command(mpirun("sh", "-c", f"{train} 2> stderr$OMPI_COMM_WORLD_RANK.txt",
                                 processes=3), cwd=tmp_path)
     assert result.returncode == 2
@@ -386,8 +497,7 @@ def test_adasum_with_3_ranks_is_one_line(tmp_path):
             for text in outputs]
     # mpirun stops the other ranks when the first exits, so 1 to 3 of them say it, once.
     said = [lines for lines in said if lines]
-    assert said and all(len(lines) == 1 and "power-of-2 number of ranks" in lines[0]
-                        for lines in said), outputs
+    assert said and all(len(lines) == 1 and line in lines[0] for lines in said), outputs
     assert not any("Traceback" in text for text in outputs)
 
 

@@ -10,8 +10,9 @@ one_device:
     mpirun -np 2 python tests/scripts/horovod_training.py OUT_DIR --variants JSON
 
 Each rank writes OUT_DIR/rank<R>.npz (final weights) and OUT_DIR/rank<R>.json: rank,
-iterations, history (as fit returned it), local_history (each rank's own values,
-logged before tfdist averages them), loss_scale (under mixed_float16).
+size, local_rank and local_size (Horovod's), iterations, history (as fit returned it),
+local_history (each rank's own values, logged before tfdist averages them), loss_scale
+(under mixed_float16).
 
 --seed_by_rank initialises rank r's model with seed 100 + r (rank 0's initial
 weights are saved too); otherwise every rank starts from seed 11's weights.
@@ -160,7 +161,8 @@ def train(args):
         history = model.fit(data, epochs=args.epochs // args.fits, callbacks=[local, *callbacks],
                             verbose=0)
     optimizer = model.optimizer
-    report = {"rank": rank, "iterations": int(optimizer.iterations.numpy()),
+    report = {"rank": rank, "size": hvd.size(), "local_rank": hvd.local_rank(),
+              "local_size": hvd.local_size(), "iterations": int(optimizer.iterations.numpy()),
               "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
               "reductions": int(reductions.numpy()),
               "history": history.history, "local_history": local.history}
