@@ -14,7 +14,7 @@ KERAS ?=
 PYTEST_ARGS ?=
 COMPAT := .compat/keras-$(KERAS)
 
-.PHONY: setup demo lint docs test test-fast test-compat bench bench-gpu clean
+.PHONY: setup demo lint docs test test-fast test-compat mutants bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,13 @@ test-compat: setup
 
 # Every benchmark (each under 5 minutes), then benchmarks/RESULTS.md, its plots and the
 # README's table, written from their results (benchmarks/results/*.json).
+# Deliberate bugs (scripts/mutants.py), each applied alone to a copy of the repository,
+# against the tests that should see it; every one must be caught. Before a release, not
+# in CI (about 40 minutes). MUTANTS_ARGS: e.g. --only adasum_averaged, or --list.
+MUTANTS_ARGS ?=
+mutants: setup
+	$(BIN)/python scripts/mutants.py $(MUTANTS_ARGS)
+
 bench: setup
 	$(BIN)/python benchmarks/report.py
 

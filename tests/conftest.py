@@ -46,6 +46,11 @@ def pytest_configure(config):
     # machine can lag its peer by several seconds, which must not fail a test).
     os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "10")
     os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "40")
+    # Every process the tests start (the `tfdist` command, scripts, ranks, from any folder)
+    # imports the tree under test, not whatever tree the environment's editable install
+    # names: a copy of the repository (`make mutants`) tests its own code.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def pytest_report_header(config):

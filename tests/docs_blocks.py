@@ -13,9 +13,9 @@ What a page may hold:
 - a `sh` block: commands, each line run by bash in order (a `\\` at a line's end joins the
   next; `#` starts a comment). Lines that install into an environment (`pip install`) run in
   a fresh environment in `tests/test_packaging.py`; `make test` and the other test targets
-  (`test*`, `lint`, `docs`) are what CI runs itself, and `make bench` (every benchmark, about
-  an hour) is run before a release, each benchmark's smoke run being
-  `tests/test_benchmarks.py`'s;
+  (`test*`, `lint`, `docs`) are what CI runs itself, and `make bench` and `make mutants`
+  (about an hour each) are run before a release: `tests/test_benchmarks.py` runs each
+  benchmark briefly, `tests/test_mutants.py` checks that each deliberate bug still applies;
 - a `yaml` block: a config `tfdist.load_config` reads; a `text` block: output or a listing;
 - an HTML comment right before a block, with clauses separated by `;`:
   `under: LAUNCHER` (the python block runs as `LAUNCHER python program.py`),
@@ -50,7 +50,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 NEEDS = ("a cluster", "a GPU", "a TPU")
 # `make` targets that CI runs itself (.ci/run runs `make test`, which runs lint and docs).
 TEST_TARGETS = re.compile(r"^make (test\S*|lint|docs)\b")
-BENCHMARKS = re.compile(r"^make bench\b")
+BEFORE_A_RELEASE = re.compile(r"^make (bench|mutants)\b")
 INSTALLS = re.compile(r"\bpip install\b")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LOSS = re.compile(r"(?<![\w.])loss: ([0-9.]+(?:e[-+]?\d+)?)")
@@ -132,8 +132,9 @@ def not_run_here(line: str) -> str | None:
     """Why a documented command is run elsewhere than by its page's test, or None."""
     if TEST_TARGETS.match(line):
         return "a test target: CI runs `make test` (.ci/run)"
-    if BENCHMARKS.match(line):
-        return "every benchmark, run before a release; tests/test_benchmarks.py runs each one"
+    if BEFORE_A_RELEASE.match(line):
+        return ("run before a release (about an hour each): tests/test_benchmarks.py runs "
+                "each benchmark, tests/test_mutants.py checks each bug still applies")
     return None
 
 

@@ -79,6 +79,9 @@ def test_env_reports_versions_devices_and_the_auto_choice(tmp_path):
     result = run_command([TFDIST, "env", "--json"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
+    # Started from a temporary folder, the command imports the tree under test
+    # (tests/conftest.py puts it on every started process's PYTHONPATH).
+    assert report["tfdist_from"] == str(REPO / "tfdist")
     assert report["versions"]["tensorflow"].startswith("2.21")
     assert report["versions"]["keras"].startswith("3.")
     assert report["cluster"]["cpu_cores"] >= 1
@@ -125,7 +128,7 @@ def test_env_without_json_is_a_short_summary_for_a_person(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert len(lines) <= 12
-    assert lines[0].startswith(f"tfdist {tfdist.__version__}, Python ")
+    assert lines[0].startswith(f"tfdist {tfdist.__version__} (from {REPO / 'tfdist'}), Python ")
     assert "TensorFlow 2.21" in lines[0]
     assert "cluster     TF_CONFIG: worker:1 of 2 tasks" in lines
     assert "auto        strategy multi_worker (TF_CONFIG names 2 workers)" in lines

@@ -19,6 +19,13 @@ from tests.docs_blocks import Run, all_blocks, copy_of_repository, installs, she
 pytestmark = pytest.mark.xdist_group("packaging")
 
 
+@pytest.fixture(autouse=True)
+def without_the_checkout_on_the_path(monkeypatch):
+    """The installed wheel is under test here: the checkout that tests/conftest.py puts on
+    every process's PYTHONPATH would stand in front of it."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     root = tmp_path_factory.mktemp("wheel")

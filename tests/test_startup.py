@@ -55,6 +55,7 @@ def test_two_tasks_waiting_for_each_other_both_go_on():
             probe.bind(("", int(address.rsplit(":", 1)[1])))
 
 
+@pytest.mark.serial  # It times the bound: alone, not beside the suite's other tests.
 def test_a_peer_that_never_answers_is_named_with_its_address_after_the_bound():
     own, absent, present = (f"127.0.0.1:{port}" for port in free_ports(3))
     with socket.create_server(("127.0.0.1", int(present.rsplit(":", 1)[1]))):

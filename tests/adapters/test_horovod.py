@@ -19,7 +19,7 @@ pytestmark = pytest.mark.xdist_group("adapters_horovod")
 
 SCRIPT = str(REPO / "tests" / "scripts" / "horovod_training.py")
 TOLERANCE = 1e-5
-MIXED_TOLERANCE = 1e-3  # float16 compute: see the mixed_float16 test
+MIXED_TOLERANCE = 1e-3  # float16 rounds by ~4e-5 here; a step more or less moves 1e-2+
 
 
 def reports(out_dir):

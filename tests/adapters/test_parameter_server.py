@@ -63,8 +63,10 @@ def test_launch_train_parameter_server_matches_one_device_accuracy(tmp_path):
 def test_one_worker_equals_one_device_and_counts_every_step(tmp_path):
     # Adam with a decaying learning rate: the weights depend on every value that
     # optimizer.iterations takes, so they only match if every step is counted in order.
-    report, _ = train(tmp_path, "--steps_per_execution=1,10", workers=1)
-    reference = one_device(tmp_path, "--steps_per_execution=1,10")
+    # And SGD with momentum (--sgd_twin), whose step follows the gradient's scale.
+    report, _ = train(tmp_path, "--steps_per_execution=1,10", "--sgd_twin", workers=1)
+    reference = one_device(tmp_path, "--steps_per_execution=1,10", "--sgd_twin")
+    assert [run["optimizer"] for run in report["runs"]] == ["adam", "adam", "sgd"]
     for run, expected in zip(report["runs"], reference["runs"]):
         assert run["iterations"] == run["expected"] == 2 * STEPS_PER_EPOCH
         assert largest_difference(run, expected) < TOLERANCE

@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.xdist_group("adapters_zero"), pytest.mark.requires_mpi
 
 SCRIPT = str(REPO / "tests" / "scripts" / "zero_training.py")
 TOLERANCE = 1e-5
+MIXED_TOLERANCE = 1e-3  # float16 rounds by ~4e-5 here; a step more or less moves 1e-2+
 # A hang bound, not a timing: a launch trains up to 24 small variants in turn.
 LAUNCH_BOUND_SECONDS = 600
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
@@ -51,6 +52,13 @@ EQUIVALENT.update({
     "s2_accumulate": (["--stage=2", "--optimizer=adam_clip", "--accumulation=2"], "adam_clip"),
     "s3_accumulate": (["--stage=3", "--optimizer=adam_clip", "--accumulation=2"], "adam_clip"),
 })
+# Each family also trains SGD with momentum, unclipped: its update follows the gradient's
+# scale, where Adam's barely moves when every gradient is multiplied by a constant and a
+# clipped one not at all (a missing 1/N or 1/K would pass them).
+SGD = "sgd_momentum"
+EQUIVALENT.update({
+    f"s{stage}_accumulate_sgd": ([f"--stage={stage}", f"--optimizer={SGD}", "--accumulation=2"],
+                                 SGD) for stage in (1, 2, 3)})
 ONLY_ON_2 = {
     "s2_clipnorm": (["--stage=2", "--optimizer=adam_clipnorm"], "adam_clipnorm"),
     "s2_ema": (["--stage=2", "--optimizer=adam_ema"], "adam_ema"),
@@ -65,6 +73,8 @@ ONLY_ON_2 = {
 FP16_INF = (["--stage=2", "--optimizer=adam", "--model=dense", "--epochs=1",
              "--precision=mixed_float16", "--inf_at_step=3"],)
 FP16_INF_S3 = (["--stage=3", *FP16_INF[0][1:]],)
+FP16_INF_SGD = (["--stage=2", f"--optimizer={SGD}", *FP16_INF[0][2:]],)
+FP16_RUNS = {"fp16_inf": FP16_INF, "fp16_inf_s3": FP16_INF_S3, "fp16_inf_sgd": FP16_INF_SGD}
 ONLY_ON_3 = {
     # The Dense model has 2 variables: rank 2 owns none at stage 1.
     "s1_owns_nothing": (["--stage=1", "--optimizer=adam", "--model=dense"], "adam", "dense"),
@@ -90,20 +100,36 @@ def launch(out, variants, processes, expect_success=True):
     return result
 
 
+# The optimizer of each SIGKILLed run: stage 2's Adam, stage 3's SGD.
+KILLED_OPTIMIZER = {2: "adam_clip", 3: SGD}
+
+
 def killed_run(out, stage=2):
     """A run whose checkpoints are at steps 4, 6 and 8 (6 steps an epoch), and whose rank 1
     is SIGKILLed after step 9, in epoch 2: (its arguments, the arguments that resume it)."""
     folder = out / ("killed" if stage == 2 else f"killed_s{stage}")
-    common = [f"--stage={stage}", "--optimizer=adam_clip", f"--checkpoint_dir={folder}",
-              "--save_every_steps=4"]
+    common = [f"--stage={stage}", f"--optimizer={KILLED_OPTIMIZER[stage]}",
+              f"--checkpoint_dir={folder}", "--save_every_steps=4"]
     return common + ["--kill_at_step=9"], common
 
 
-def checkpointed(out, name, stage):
+def checkpointed(out, name, stage, optimizer="adam_clip"):
     """A run of epoch 1 (6 steps) that checkpoints at its end into out/<name>_checkpoints,
     for another rank count or stage to resume."""
-    return ([f"--stage={stage}", "--optimizer=adam_clip", "--epochs=1",
+    return ([f"--stage={stage}", f"--optimizer={optimizer}", "--epochs=1",
              f"--checkpoint_dir={out / (name + '_checkpoints')}"],)
+
+
+def resuming(folder, stage, optimizer="adam_clip", *extra):
+    """A run that resumes the checkpoints in `folder`, to the end of epoch 2."""
+    return ([f"--stage={stage}", f"--optimizer={optimizer}", *extra,
+             f"--checkpoint_dir={folder}"],)
+
+
+# Rank-count changes and stage conversions, each with Adam and with SGD:
+# name: (stage of the 2-rank run that checkpoints, stage of the run that resumes it).
+CONVERSIONS = {"s2_2_to_3": (2, 2), "s3_2_to_3": (3, 3), "s2_to_s3": (2, 3), "s3_to_s2": (3, 2)}
+OPTIMIZERS = {"": "adam_clip", "_sgd": SGD}
 
 
 @pytest.fixture(scope="module")
@@ -111,22 +137,17 @@ def two(tmp_path_factory):
     """The 2-rank runs: equivalence, a save, a checkpoint for 3 ranks, and, last, the run a
     SIGKILL ends (which ends the launch: every run before it has written its files)."""
     out = tmp_path_factory.mktemp("zero_2")
-    killed = launch(out, {**EQUIVALENT, **ONLY_ON_2,
+    saving = {f"{name}{suffix}": checkpointed(out, f"{name}{suffix}", stages[0], optimizer)
+              for name, stages in CONVERSIONS.items() for suffix, optimizer in OPTIMIZERS.items()}
+    saving.update({f"s2_accumulate_to_3{suffix}": (
+        [*checkpointed(out, f"s2_accumulate_to_3{suffix}", 2, optimizer)[0], "--accumulation=2"],)
+        for suffix, optimizer in OPTIMIZERS.items()})
+    killed = launch(out, {**EQUIVALENT, **ONLY_ON_2, **FP16_RUNS, **saving,
                           "s2_save": (["--stage=2", "--optimizer=adam_clip", "--save_model"],),
                           "s3_save": (["--stage=3", "--optimizer=adam_clip", "--save_model"],),
-                          "fp16_inf": FP16_INF, "fp16_inf_s3": FP16_INF_S3,
-                          "to_3": (["--stage=2", "--optimizer=adam_clip", "--epochs=1",
-                                    f"--checkpoint_dir={out / 'to_3_checkpoints'}"],),
-                          "s3_to_3": checkpointed(out, "s3_to_3", 3),
-                          "s3_to_s2": checkpointed(out, "s3_to_s2", 3),
-                          "s2_accumulate_to_3": (["--stage=2", "--optimizer=adam_clip",
-                                                  "--accumulation=2", "--epochs=1",
-                                                  f"--checkpoint_dir="
-                                                  f"{out / 's2_accumulate_to_3_checkpoints'}"],),
-                          "s2_to_s3": checkpointed(out, "s2_to_s3", 2),
                           "killed": (killed_run(out)[0],)}, 2, expect_success=False)
     assert killed.returncode != 0
-    assert (out / "to_3" / "rank1.json").exists(), (killed.stdout + killed.stderr)[-3000:]
+    assert (out / "s2_2_to_3" / "rank1.json").exists(), (killed.stdout + killed.stderr)[-3000:]
     assert not (out / "killed" / "rank0.json").exists()
     return out
 
@@ -135,22 +156,17 @@ def two(tmp_path_factory):
 def three(two, tmp_path_factory):
     """The 3-rank runs, a resume of the 2-rank checkpoint, and a checkpoint for 2 ranks."""
     out = tmp_path_factory.mktemp("zero_3")
-    launch(out, {**EQUIVALENT, **ONLY_ON_3, "fp16_inf": FP16_INF, "fp16_inf_s3": FP16_INF_S3,
-                 "from_2": (["--stage=2", "--optimizer=adam_clip",
-                             f"--checkpoint_dir={two / 'to_3_checkpoints'}"],),
-                 # Stage 3 from 2 ranks' stage-3 checkpoint, and from a stage-2 one.
-                 "s3_from_2": (["--stage=3", "--optimizer=adam_clip",
-                                f"--checkpoint_dir={two / 's3_to_3_checkpoints'}"],),
-                 "s3_from_s2": (["--stage=3", "--optimizer=adam_clip",
-                                 f"--checkpoint_dir={two / 's2_to_s3_checkpoints'}"],),
-                 # Stage 2 from 2 ranks' stage-3 checkpoint: the weights from the shard files.
-                 "s2_from_s3": (["--stage=2", "--optimizer=adam_clip",
-                                 f"--checkpoint_dir={two / 's3_to_s2_checkpoints'}"],),
-                 "s2_accumulate_from_2": (["--stage=2", "--optimizer=adam_clip",
-                                           "--accumulation=2", f"--checkpoint_dir="
-                                           f"{two / 's2_accumulate_to_3_checkpoints'}"],),
-                 "to_2": (["--stage=1", "--optimizer=adam_clip", "--epochs=1",
-                           f"--checkpoint_dir={out / 'to_2_checkpoints'}"],)}, 3)
+    # Each 2-rank checkpoint resumed on 3 ranks (a stage-3 one at stage 2 reads the weights
+    # from the shard files), into a folder of the same name.
+    resumes = {f"{name}{suffix}": resuming(two / f"{name}{suffix}_checkpoints", stages[1],
+                                           optimizer)
+               for name, stages in CONVERSIONS.items() for suffix, optimizer in OPTIMIZERS.items()}
+    resumes.update({f"s2_accumulate_to_3{suffix}": resuming(
+        two / f"s2_accumulate_to_3{suffix}_checkpoints", 2, optimizer, "--accumulation=2")
+        for suffix, optimizer in OPTIMIZERS.items()})
+    launch(out, {**EQUIVALENT, **ONLY_ON_3, **FP16_RUNS, **resumes,
+                 **{f"to_2{suffix}": checkpointed(out, f"to_2{suffix}", 1, optimizer)
+                    for suffix, optimizer in OPTIMIZERS.items()}}, 3)
     return out
 
 
@@ -170,8 +186,8 @@ def resumed(two, three, killed_s3, tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_resumed")
     launch(out, {"resumed": (killed_run(two)[1],),
                  "resumed_s3": (killed_run(killed_s3, stage=3)[1],),
-                 "from_3": (["--stage=2", "--optimizer=adam_clip",
-                             f"--checkpoint_dir={three / 'to_2_checkpoints'}"],)}, 2)
+                 **{f"from_3{suffix}": resuming(three / f"to_2{suffix}_checkpoints", 2, optimizer)
+                    for suffix, optimizer in OPTIMIZERS.items()}}, 2)
     return out, two / "killed"
 
 
@@ -179,15 +195,15 @@ _references = {}
 _evaluated = {}  # One device's evaluate loss after training, by the same key.
 
 
-def one_device(optimizer, model="embedding", epochs=2):
+def one_device(optimizer, model="embedding", epochs=2, precision="float32", inf_at_step=None):
     """Plain one-device training with the exact update, on the same global batches."""
-    key = (optimizer, model, epochs)
+    key = (optimizer, model, epochs, precision, inf_at_step)
     if key not in _references:
         import tensorflow as tf
 
         keras.backend.clear_session()
         runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device",
-                                                             "precision": "float32"}))
+                                                             "precision": precision}))
         with runner.scope():
             if model == "deferred":  # Built in fit, from rank 0's seed.
                 keras.utils.set_random_seed(job.DEFERRED_SEED)
@@ -196,7 +212,7 @@ def one_device(optimizer, model="embedding", epochs=2):
                 made.set_weights(job.initial_weights(model))
             made.compile(runner.optimizer(job.optimizers()[optimizer]()),
                          "sparse_categorical_crossentropy")
-        data = tf.data.Dataset.from_tensor_slices(job.examples(model, 6))
+        data = tf.data.Dataset.from_tensor_slices(job.examples(model, 6, inf_at_step))
         made.fit(runner.dataset(data, job.GLOBAL_BATCH), epochs=epochs, verbose=0)
         _references[key] = (made.get_weights(),
                             [v.numpy() for v in made.optimizer.variables])
@@ -229,11 +245,11 @@ def test_two_ranks_equal_one_device(two, name):
 
 def test_evaluate_after_a_stage_3_fit_equals_one_device_on_every_rank(two, three):
     one_device("adam_clip")
+    expected = _evaluated[("adam_clip", "embedding", 2, "float32", None)]
     for out, ranks in ((two, 2), (three, 3)):
         reports, _ = ranks_of(out / "s3_adam_clip", ranks)
         losses = [reports[r]["evaluate_loss"] for r in range(ranks)]
-        assert max(abs(loss - _evaluated[("adam_clip", "embedding", 2)]) for loss in losses) < (
-            TOLERANCE), (ranks, losses)
+        assert max(abs(loss - expected) for loss in losses) < TOLERANCE, (ranks, losses)
 
 
 @pytest.mark.parametrize("name", sorted({**EQUIVALENT, **ONLY_ON_3}))
@@ -281,10 +297,11 @@ def test_each_rank_holds_its_slice_of_each_variable_at_stages_2_and_3(two, three
             assert reports[0]["largest_variable_bytes"] * ranks > slices
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("folder, optimizer", [("fp16_inf", "adam"), ("fp16_inf_s3", "adam"),
+                                               ("fp16_inf_sgd", SGD)])
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_mixed_float16_inf_on_one_rank_skips_the_step_on_all(two, three, ranks, stage):
-    folder = "fp16_inf" if stage == 2 else "fp16_inf_s3"
+def test_mixed_float16_inf_on_one_rank_skips_the_step_on_all_as_one_device(two, three, ranks,
+                                                                           folder, optimizer):
     reports, weights = ranks_of((two if ranks == 2 else three) / folder, ranks)
     # 6 steps, the inf in the last rank's slice of step 3: 5 updates, the scale halved once.
     assert [reports[r]["iterations"] for r in range(ranks)] == [5] * ranks
@@ -292,6 +309,11 @@ def test_mixed_float16_inf_on_one_rank_skips_the_step_on_all(two, three, ranks, 
     for rank in range(1, ranks):
         assert largest_difference(weights[0], weights[rank]) == 0.0
     assert all(np.all(np.isfinite(array)) for array in weights[0])
+    # One device with the inf in its global batch skips the same step (float16 sums of
+    # other sizes round apart: hence the tolerance).
+    expected, _ = one_device(optimizer, "dense", epochs=1, precision="mixed_float16",
+                             inf_at_step=3)
+    assert largest_difference(weights[0], expected) < MIXED_TOLERANCE
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -299,7 +321,8 @@ def test_a_sigkill_and_a_resume_equal_the_uninterrupted_run(two, resumed, killed
     out, checkpoints = resumed
     if stage == 3:
         checkpoints = killed_s3 / "killed_s3"
-    _, uninterrupted = ranks_of(two / f"s{stage}_adam_clip", 2)
+    optimizer = KILLED_OPTIMIZER[stage]
+    _, uninterrupted = ranks_of(two / f"s{stage}_{'sgd' if optimizer == SGD else optimizer}", 2)
     reports, weights = ranks_of(out / ("resumed" if stage == 2 else "resumed_s3"), 2)
     # It went on from the checkpoint of step 8, in epoch 2, not from the start.
     assert [reports[r]["iterations_at_start"] for r in (0, 1)] == [8, 8]
@@ -312,30 +335,31 @@ def test_a_sigkill_and_a_resume_equal_the_uninterrupted_run(two, resumed, killed
     assert shards == [f"{number}.rank{r}-of-2.npz" for number in kept for r in (0, 1)]
 
 
-def test_stage_3_checkpoints_resume_on_3_ranks_at_stages_2_and_3(three):
-    # s3_from_s2: a stage-2 checkpoint at stage 3.
-    for name in ("s3_from_2", "s3_from_s2", "s2_from_s3"):
-        reports = check_equivalent(three, name, "adam_clip", 3)
-        assert [reports[r]["iterations_at_start"] for r in range(3)] == [6] * 3, name
+@pytest.mark.parametrize("suffix", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name", sorted(CONVERSIONS))
+def test_a_checkpoint_of_2_ranks_resumes_on_3_at_either_stage(three, name, suffix):
+    # Saved at the end of epoch 1 (6 steps) by 2 ranks at one stage (2 or 3), trained on by
+    # 3 at the same or the other.
+    reports = check_equivalent(three, f"{name}{suffix}", OPTIMIZERS[suffix], 3)
+    assert [reports[r]["iterations_at_start"] for r in range(3)] == [6] * 3
 
 
-def test_stage_2_with_accumulation_checkpoints_and_resumes_on_3_ranks(two, three):
+@pytest.mark.parametrize("suffix", sorted(OPTIMIZERS))
+def test_stage_2_with_accumulation_checkpoints_and_resumes_on_3_ranks(two, three, suffix):
     # With accumulation, stage 2 reduce-scatters once per cycle: its accumulators stay
     # whole (rank-local sums a checkpoint holds); without, the backward pass slices.
     reports, _ = ranks_of(two / "s2_accumulate", 2)
     _, plain = ranks_of(two / "s2_adam_clip", 2)
     whole = sum(array.size * 4 for array in plain[0])
     assert [reports[r]["gradient_bytes"] for r in (0, 1)] == [whole] * 2
-    reports = check_equivalent(three, "s2_accumulate_from_2", "adam_clip", 3)
+    reports = check_equivalent(three, f"s2_accumulate_to_3{suffix}", OPTIMIZERS[suffix], 3)
     assert [reports[r]["iterations_at_start"] for r in range(3)] == [6] * 3
 
 
-def test_a_checkpoint_of_2_ranks_resumes_on_3_and_one_of_3_on_2(three, resumed):
-    # Saved at the end of epoch 1 (6 steps) by one rank count, trained on by the other.
-    reports = check_equivalent(three, "from_2", "adam_clip", 3)
-    assert [reports[r]["iterations_at_start"] for r in range(3)] == [6] * 3
+@pytest.mark.parametrize("suffix", sorted(OPTIMIZERS))
+def test_a_checkpoint_of_3_ranks_resumes_on_2(resumed, suffix):
     out, _ = resumed
-    reports = check_equivalent(out, "from_3", "adam_clip", 2)
+    reports = check_equivalent(out, f"from_3{suffix}", OPTIMIZERS[suffix], 2)
     assert [reports[r]["iterations_at_start"] for r in (0, 1)] == [6] * 2
 
 
@@ -380,7 +404,7 @@ SLICED = ("holds each weight as slices (saved with zero_stage 3); resume it with
 @pytest.mark.parametrize("case", sorted(REFUSALS))
 def test_stage_3_refuses_what_it_cannot_do_yet_with_one_line(two, tmp_path, case):
     # One rank (no mpirun): each refusal comes before any step.
-    shutil.copytree(two / "s3_to_3_checkpoints", tmp_path / "sliced")
+    shutil.copytree(two / "s3_2_to_3_checkpoints", tmp_path / "sliced")
     arguments, expected = REFUSALS[case]
     result = run_command([sys.executable, SCRIPT, str(tmp_path / "out"), "--stage=3",
                           *[argument.format(tmp=tmp_path) for argument in arguments]],

@@ -4,14 +4,14 @@ Run by tests under `tfdist launch -n W --ps P` (every task runs it; the Runner s
 workers and parameter servers), or alone with --strategy one_device for the reference:
 
     tfdist launch -n 2 --ps 1 -- python tests/scripts/ps_training.py OUT.json \
-        [--steps_per_execution 1,10] [--epochs E] [--model mlp|embedding] \
+        [--steps_per_execution 1,10] [--sgd_twin] [--epochs E] [--model mlp|embedding] \
         [--set KEY=VALUE ...] [--kill worker:1|ps:0 --pid_dir DIR] [--bare fit|loop [--fixes]]
 
 Each value of --steps_per_execution trains a fresh model from the same start. The chief
 writes OUT.json: per run the optimizer's iterations and the steps expected, History,
 the epochs callbacks saw, evaluate and predict results and the weights; and the devices
 of each variable's shards. Adam with a decaying learning rate makes the weights depend on
-every value `optimizer.iterations` takes.
+every value `optimizer.iterations` takes; --sgd_twin adds a run of SGD with momentum.
 
 --kill TASK: at step 5 of epoch 2 the chief sends SIGKILL to TASK (each task writes its
 pid to --pid_dir first). --bare fit: Keras's own model.fit under the strategy (tfdist's
@@ -50,7 +50,12 @@ def initial_weights(model_kind):
     return reference.initial_weights(hidden=64, embedding=model_kind == "embedding")
 
 
-def make_optimizer():
+def make_optimizer(name="adam"):
+    """Adam with a decaying rate; "sgd": SGD with momentum, unclipped, at a decaying rate
+    too (its step follows the gradient's scale, which Adam's barely does)."""
+    if name == "sgd":
+        return keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.8),
+                                    momentum=0.9)
     return keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.8))
 
 
@@ -103,11 +108,13 @@ def train_with_runner(args, spe_values, report):
     test = runner.dataset(tf.data.Dataset.from_tensor_slices((features[:100], labels[:100])),
                           BATCH, drop_remainder=False)
     start = initial_weights(args.model)
-    for spe in spe_values:
+    runs = [(spe, "adam") for spe in spe_values] + ([(1, "sgd")] if args.sgd_twin else [])
+    for spe, optimizer_name in runs:
         with runner.scope():
             model = make_model(args.model)
             model.set_weights(start)
-            model.compile(runner.optimizer(make_optimizer()), "sparse_categorical_crossentropy",
+            model.compile(runner.optimizer(make_optimizer(optimizer_name)),
+                          "sparse_categorical_crossentropy",
                           metrics=["accuracy"], steps_per_execution=spe)
         recorder = EpochRecorder(args.kill, args.pid_dir)
         # Positional, as Keras's signature orders them: x, y, batch_size, epochs, verbose,
@@ -116,7 +123,7 @@ def train_with_runner(args, spe_values, report):
                             validation_data=test)
         predictions = model.predict(test, verbose=0)
         report["runs"].append({
-            "steps_per_execution": spe,
+            "steps_per_execution": spe, "optimizer": optimizer_name,
             "policy": model.get_layer("hidden").dtype_policy.name,
             "iterations": int(model.optimizer.iterations.numpy()),
             "expected": args.epochs * EXAMPLES // BATCH,
@@ -210,6 +217,8 @@ def main():
     parser.add_argument("--pid_dir")
     parser.add_argument("--bare", choices=["fit", "loop"])
     parser.add_argument("--fixes", action="store_true")
+    parser.add_argument("--sgd_twin", action="store_true",
+                        help="after the other runs, one more with SGD (momentum 0.9)")
     args = parser.parse_args()
 
     if args.pid_dir:

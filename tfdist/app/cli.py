@@ -310,6 +310,8 @@ def _env(as_json: bool = False) -> None:
     report = {
         "versions": {"tfdist": tfdist.__version__, "python": platform.python_version(),
                      "tensorflow": tf.__version__, "keras": keras.__version__},
+        # Which tfdist this is, when several trees or installs could be on the path.
+        "tfdist_from": os.path.dirname(os.path.abspath(tfdist.__file__)),
         "cluster": cluster.to_dict(),
         "strategies_available": registry.available(),
         "horovod": _horovod_build(),
@@ -351,8 +353,8 @@ def _env_summary(report: dict, cluster: Any) -> str:
     patches = report["patches"]
     auto = report["auto"]
     return "\n".join([
-        f"tfdist {versions['tfdist']}, Python {versions['python']}, TensorFlow "
-        f"{versions['tensorflow']}, Keras {versions['keras']}",
+        f"tfdist {versions['tfdist']} (from {report['tfdist_from']}), Python "
+        f"{versions['python']}, TensorFlow {versions['tensorflow']}, Keras {versions['keras']}",
         f"devices     CPU: {cpu}; GPUs: {gpus}"
         + (f"; TPU: {cluster.tpu.name}" if cluster.tpu else ""),
         f"cluster     {where}",
