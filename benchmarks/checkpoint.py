@@ -31,7 +31,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
@@ -39,26 +38,7 @@ from method import emit, figure, interleaved  # noqa: E402
 from processes import mpirun, run_children, write_report  # noqa: E402
 from tfdist.callbacks import Throughput  # noqa: E402
 from tfdist.devices import split_cpu  # noqa: E402
-
-FEATURES, CLASSES, BATCH = 256, 10, 256
-
-
-def build_model() -> keras.Model:
-    return keras.Sequential([
-        keras.Input((FEATURES,)),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dropout(0.1),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(CLASSES, activation="softmax"),
-    ])
-
-
-def examples(steps: int) -> tf.data.Dataset:
-    rng = np.random.default_rng(0)
-    count = steps * BATCH
-    return tf.data.Dataset.from_tensor_slices(
-        (rng.standard_normal((count, FEATURES), dtype=np.float32),
-         rng.integers(0, CLASSES, count).astype(np.int32)))
+from workloads import BATCH, classifier, examples  # noqa: E402
 
 
 def prepared(strategy_name: str, data: tf.data.Dataset, checkpoint_dir: str | None):
@@ -66,7 +46,7 @@ def prepared(strategy_name: str, data: tf.data.Dataset, checkpoint_dir: str | No
         "strategy": strategy_name, "precision": "float32", "mirrored.cpu_replicas": 2,
         "seed": 0}))
     with runner.scope():
-        model = build_model()
+        model = classifier(dropout=0.1)
         model.compile(optimizer=runner.optimizer(keras.optimizers.Adam(1e-3)),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     dataset = runner.dataset(data, BATCH, shuffle_buffer_size=1024)
@@ -93,7 +73,7 @@ def step_overhead(strategy_name: str, rounds: int, steps: int, folder: str) -> d
 def save_milliseconds(folder: str, repeats: int = 10) -> list[float]:
     from tfdist.resume.checkpointing import CheckpointStore, TrainingPosition
 
-    model = build_model()
+    model = classifier(dropout=0.1)
     optimizer = keras.optimizers.Adam(1e-3)
     optimizer.build(model.trainable_variables)
     store = CheckpointStore(os.path.join(folder, "saves"), {
@@ -168,8 +148,8 @@ def main() -> None:
     for (name, result), ratio in zip(results.items(), figures):
         print(f"{name:<12} {result['with_ms']:>13.2f} {result['without_ms']:>16.2f} "
               f"{ratio.median:>7.3f}")
-    print(f"one save (model + Adam slots, {sum(v.numpy().size for v in build_model().variables)}"
-          f" parameters): {save.median:.1f} ms")
+    parameters = classifier(dropout=0.1).count_params()
+    print(f"one save (model + Adam slots, {parameters} parameters): {save.median:.1f} ms")
     print(f"horovod, 2 ranks: the vote adds {vote_us:.0f} us to a 1 MB gradient allreduce; "
           f"the check at a step boundary takes {check_us:.0f} us")
     emit("checkpoint", [*figures, save], rounds=args.rounds, steps_per_epoch=args.steps,

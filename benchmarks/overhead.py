@@ -32,39 +32,20 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
 from method import emit, figure  # noqa: E402
 from tfdist.callbacks import Throughput  # noqa: E402
 from tfdist.devices import split_cpu  # noqa: E402
-
-FEATURES, CLASSES, BATCH = 256, 10, 256
-
-
-def build_model() -> keras.Model:
-    return keras.Sequential([
-        keras.Input((FEATURES,)),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(CLASSES, activation="softmax"),
-    ])
-
-
-def examples(steps: int) -> tf.data.Dataset:
-    rng = np.random.default_rng(0)
-    count = steps * BATCH
-    return tf.data.Dataset.from_tensor_slices(
-        (rng.standard_normal((count, FEATURES), dtype=np.float32),
-         rng.integers(0, CLASSES, count).astype(np.int32)))
+from workloads import BATCH, classifier, examples  # noqa: E402
 
 
 def through_tfdist(strategy_name: str, data: tf.data.Dataset):
     runner = tfdist.Runner(tfdist.load_config(overrides={
         "strategy": strategy_name, "precision": "float32", "mirrored.cpu_replicas": 2}))
     with runner.scope():
-        model = build_model()
+        model = classifier()
         model.compile(optimizer=runner.optimizer(keras.optimizers.Adam(1e-3)),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model, runner.dataset(data, BATCH), runner.callbacks()
@@ -76,7 +57,7 @@ def by_hand(strategy_name: str, data: tf.data.Dataset):
     else:
         strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     with strategy.scope():
-        model = build_model()
+        model = classifier()
         model.compile(optimizer=keras.optimizers.Adam(1e-3),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model, data.batch(BATCH, drop_remainder=True).prefetch(tf.data.AUTOTUNE), []

@@ -44,3 +44,19 @@ class ClusterError(RuntimeError):
 MISSING_TENSORFLOW = ("TensorFlow is not installed in this environment; install the release "
                       "tfdist is built for: pip install 'tensorflow-cpu>=2.21,<2.22' (or "
                       "'tensorflow[and-cuda]>=2.21,<2.22' on NVIDIA GPUs)")
+
+
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """The first line of an error's message, at most `limit` characters: what a one-line
+    report quotes of an upstream error ("" for an empty message).
+
+    Args:
+        error: The exception to quote.
+        limit: The most characters kept.
+
+    Example:
+
+    >>> first_line(ValueError("shape mismatch\\n  at layer dense"))
+    'shape mismatch'
+    """
+    return (str(error).strip().splitlines() or [""])[0][:limit]

@@ -36,6 +36,24 @@ def test_restores_the_newest_and_keeps_the_last_k(tmp_path):
     assert restored.numpy().tolist() == [12.0] * 3 and where.global_step == 12
 
 
+def test_the_kept_checkpoints_are_known_without_reading_the_folder(tmp_path):
+    # What a save leaves in the folder (the store's own list, and what it found at its start
+    # by the checkpoints' files when the state file was lost), each time as candidates()
+    # reads it from the folder.
+    def in_the_folder(store):
+        return {checkpoint_number(path) for path in store.candidates()}
+
+    store, variable, position = store_of(tmp_path, keep=2)
+    for step in (4, 8, 12):
+        save_steps(store, variable, position, [step])
+        assert store.kept_numbers() == in_the_folder(store)
+    (tmp_path / "checkpoint").unlink()
+    store, variable, position = store_of(tmp_path, keep=2)
+    for step in (16, 20, 24):
+        save_steps(store, variable, position, [step])
+        assert store.kept_numbers() == in_the_folder(store) == {8, 12, step - 4, step}
+
+
 def test_an_empty_folder_restores_nothing(tmp_path):
     store, variable, _ = store_of(tmp_path, 7.0)
     assert store.restore_newest() is None

@@ -92,6 +92,24 @@ def test_one_damaged_file_resumes_from_the_newest_readable_checkpoint(
     assert {path.name: path.read_bytes() for path in tmp_path.glob("ckpt-4.*")} == kept
 
 
+def test_a_state_file_set_aside_by_an_earlier_start_does_not_explain_a_later_loss(tmp_path,
+                                                                                  capsys):
+    # The first resume sets the corrupt state file aside as checkpoint.unreadable; later the
+    # new state file is deleted. The second resume must say it is missing, not that it was
+    # unreadable: the file set aside is an earlier start's.
+    train(tmp_path, 2)
+    corrupt(tmp_path / "checkpoint")
+    capsys.readouterr()
+    train(tmp_path, 3)
+    first = capsys.readouterr().err
+    (tmp_path / "checkpoint").unlink()
+    train(tmp_path, 4)
+    second = capsys.readouterr().err
+    assert "the state file checkpoint was unreadable (set aside as checkpoint.unreadable)" \
+        in first
+    assert "the state file checkpoint is missing" in second and "set aside" not in second
+
+
 ZERO = {"strategy": "horovod", "zero_stage": 1}  # a rank's optimizer state in shards/
 
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 from tfdist.adapters.base import Adapter, DatasetSource
 from tfdist.cluster import ClusterInfo
 from tfdist.config import TPUConfig
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, first_line
 from tfdist.resume.shuffling import EpochShuffle
 
 
@@ -60,9 +60,8 @@ class TPUAdapter(Adapter):
                 tf.config.experimental_connect_to_cluster(resolver)
             tf.tpu.experimental.initialize_tpu_system(resolver)
         except (ValueError, RuntimeError, tf.errors.OpError) as error:
-            text = str(error).strip()
-            reason = text.splitlines()[0] if text else type(error).__name__
-            raise ConfigError(f"could not start the TPU '{arguments['tpu']}' ({reason[:160]}); "
+            reason = first_line(error) or type(error).__name__
+            raise ConfigError(f"could not start the TPU '{arguments['tpu']}' ({reason}); "
                               f"check tpu.name, tpu.zone and tpu.project, or use tpu.name=local "
                               f"on a TPU VM. Received: tpu.name={arguments['tpu']!r}") from None
         return tf.distribute.TPUStrategy(resolver)

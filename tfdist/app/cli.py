@@ -34,7 +34,7 @@ from tfdist import flags as tfdist_flags
 from tfdist import quiet
 from tfdist.cluster import set_default_environment
 from tfdist.config import config_keys, field_help, load_config
-from tfdist.errors import MISSING_TENSORFLOW, ClusterError, ConfigError
+from tfdist.errors import MISSING_TENSORFLOW, ClusterError, ConfigError, first_line
 
 _USAGE = """usage: tfdist COMMAND [FLAGS]
 
@@ -168,7 +168,7 @@ def _peer_failure(error: Exception) -> str | None:
     if horovod_shutdown:
         return ("Horovod shut down: a rank stopped joining collectives (stuck past "
                 "horovod.timeout_seconds, or gone). Restart the job to resume from the last "
-                f"checkpoint. Received: {type(error).__name__}: {text.splitlines()[0][:160]}")
+                f"checkpoint. Received: {type(error).__name__}: {first_line(error)}")
     return None
 
 

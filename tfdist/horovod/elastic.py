@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfdist.errors import first_line
 from tfdist.resume.checkpointing import TrainingPosition
 from tfdist.horovod.collectives import tf_variable as _tf_variable
 
@@ -129,7 +130,7 @@ def run(hvd: ModuleType, state: Any, train: Callable[[], Any],
                 raise
             logging.warning("tfdist: a Horovod collective failed (%s); restoring the last "
                             "commit and going on with the ranks left",
-                            str(error).splitlines()[0][:200])
+                            first_line(error))
             raise HorovodInternalError(error) from error
 
     def reset() -> None:

@@ -435,8 +435,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # long enough to time out: everyone leaves the save together.
         self._adapter.barrier("tfdist_saved")
         if self._sharded is not None and self._store is not None and self._adapter.is_chief:
-            sharded_state.remove_other_than(self.directory, map(
-                checkpoint_number, self._store.candidates()))
+            sharded_state.remove_other_than(self.directory, self._store.kept_numbers())
         if self._elastic is not None:
             # Horovod's driver may have announced new ranks: every rank raises here at
             # the same commit, and the elastic loop resets.

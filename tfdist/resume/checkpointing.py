@@ -41,7 +41,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.ops import resource_variable_ops
 
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, first_line
 from tfdist.files import writable_folder
 
 # Bumped when what a checkpoint holds changes in a way an older reader would misread.
@@ -146,6 +146,7 @@ class CheckpointStore:
         self.checkpoint = tf.train.Checkpoint(**objects)
         self._is_writer = is_writer
         self.notes: list[str] = []
+        self._state_set_aside = False
         if is_writer:
             writable_folder(self.directory, "checkpoint_dir")
             self._set_aside_unreadable_state()
@@ -155,6 +156,10 @@ class CheckpointStore:
         self._manager = tf.train.CheckpointManager(self.checkpoint, write_directory,
                                                    max_to_keep=max_to_keep,
                                                    checkpoint_name=CHECKPOINT_NAME)
+        # Checkpoints found by their own files that the manager does not track (its state
+        # file was lost): it never deletes them, so they stay kept; read once, here.
+        self._kept_untracked = ({checkpoint_number(path) for path in self.candidates()}
+                                - self._tracked_numbers()) if is_writer else set()
 
     def save(self, number: int) -> str:
         """Writes a checkpoint numbered `number` (the global step); returns its path."""
@@ -163,6 +168,15 @@ class CheckpointStore:
             shutil.rmtree(self._manager.directory, ignore_errors=True)
         return path if self._is_writer else os.path.join(self.directory,
                                                          os.path.basename(path))
+
+    def kept_numbers(self) -> set[int]:
+        """The numbers of the checkpoints in `directory` after the last save, known without
+        reading the folder: those the store keeps, and those it found at its start by their
+        own files. For the writer (the chief), which saves and deletes them."""
+        return self._tracked_numbers() | self._kept_untracked
+
+    def _tracked_numbers(self) -> set[int]:
+        return {checkpoint_number(path) for path in self._manager.checkpoints}
 
     def candidates(self) -> list[str]:
         """The checkpoints in `directory`, newest first.
@@ -206,14 +220,14 @@ class CheckpointStore:
                 status = self.checkpoint.restore(path)
                 status.assert_existing_objects_matched()
             except _UNREADABLE as error:
-                reason = f"{type(error).__name__}: {_first_line(error)}"
+                reason = f"{type(error).__name__}: {first_line(error)}"
                 logging.warning("tfdist: checkpoint %s cannot be read (%s); trying the one "
                                 "before it", path, reason)
                 passed_over.append(f"{os.path.basename(path)} ({reason})")
                 continue
             except (AssertionError, ValueError) as error:
                 raise ConfigError(f"checkpoint {path} does not fit this model and optimizer "
-                                  f"({_first_line(error)}); resume with the "
+                                  f"({first_line(error)}); resume with the "
                                   f"same model, or start in an empty checkpoint_dir. "
                                   f"Received: checkpoint_dir={self.directory!r}") from None
             try:
@@ -221,7 +235,7 @@ class CheckpointStore:
                     also_restore(path)
             except UnreadableCheckpoint as error:
                 passed_over.append(f"{os.path.basename(path)} ({type(error).__name__}: "
-                                   f"{_first_line(error)})")
+                                   f"{first_line(error)})")
                 continue
             if passed_over:
                 self.notes.append(f"passed over, unreadable: {', '.join(passed_over)}")
@@ -254,9 +268,10 @@ class CheckpointStore:
         """"" when the state file reads; else what is wrong with it, in a few words."""
         path = os.path.join(self.directory, STATE_FILE)
         if not tf.io.gfile.exists(path):
-            set_aside = f"{path}.unreadable"
-            return ("was unreadable (set aside as " + os.path.basename(set_aside) + ")"
-                    if tf.io.gfile.exists(set_aside) else "is missing")
+            # Only this start's own setting aside explains a missing state file: one set
+            # aside by an earlier start says nothing about why it is missing now.
+            return (f"was unreadable (set aside as {STATE_FILE}.unreadable)"
+                    if self._state_set_aside else "is missing")
         return "" if self._listed() else "is unreadable"
 
     def _set_aside_unreadable_state(self) -> None:
@@ -269,6 +284,7 @@ class CheckpointStore:
         path = os.path.join(self.directory, STATE_FILE)
         if tf.io.gfile.exists(path) and not self._listed():
             tf.io.gfile.rename(path, f"{path}.unreadable", overwrite=True)
+            self._state_set_aside = True
 
     def close(self) -> None:
         """Removes this process's temporary folder, if it has one."""
@@ -284,10 +300,6 @@ def read_partially(path: str, objects: Mapping[str, Any]) -> None:
         read_partially(path, {"metrics": metric_variables})
     """
     tf.train.Checkpoint(**objects).read(path).expect_partial()
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [""])[0][:200]
 
 
 def checkpoint_number(path: str | None) -> int:

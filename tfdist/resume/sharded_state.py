@@ -31,7 +31,7 @@ from typing import Iterable, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, first_line
 from tfdist.resume.checkpointing import UnreadableCheckpoint
 from tfdist.sharding.state import ShardPart
 
@@ -198,4 +198,4 @@ class ShardReader:
 
 def _unreadable(path: str, error: BaseException) -> UnreadableShards:
     return UnreadableShards(f"{os.path.basename(path)} cannot be read ({type(error).__name__}: "
-                            f"{(str(error).splitlines() or [''])[0][:120]})")
+                            f"{first_line(error)})")
