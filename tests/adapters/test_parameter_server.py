@@ -108,6 +108,18 @@ def test_two_workers_count_every_step_and_learn(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_two_workers_each_read_their_own_shard_of_the_batches(tmp_path):
+    # Batch i is labelled i % 2, so with 2 workers one shard holds the even batches (label
+    # 0) and the other the odd ones (label 1). Each epoch trains on both: the mean label it
+    # saw is strictly between 0 and 1. Were every worker to read the same shard, it would
+    # be 0 or 1 exactly, and half the data never trained on.
+    report, _ = train(tmp_path, "--labels_by_batch", "--epochs=2")
+    run = report["runs"][0]
+    assert run["iterations"] == run["expected"] == 2 * STEPS_PER_EPOCH
+    assert all(0 < mean < 1 for mean in run["history"]["label_mean"]), run["history"]
+
+
+@pytest.mark.multiprocess
 def test_large_variables_are_sharded_across_two_servers_and_train_as_one(tmp_path):
     # The embedding table (1.25 KB) and hidden kernel (16 KB) exceed min_shard_bytes=1024;
     # the biases and the output kernel (768 B) do not.

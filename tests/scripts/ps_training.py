@@ -104,6 +104,17 @@ def train_with_runner(args, spe_values, report):
                       keras_trainer.PARAMETER_SERVER_PREDICT):
             patch.undo()
     features, labels = examples(args.model)
+    metrics = ["accuracy"]
+    if args.labels_by_batch:
+        # Batch i's examples all have label i % 2, and a metric averages the labels each
+        # epoch trained on: 0 or 1 when every step read batches of one parity only (one
+        # worker's shard, read by all), between when the workers read their own shards.
+        labels = ((np.arange(EXAMPLES) // BATCH) % 2).astype(labels.dtype)
+
+        def label_mean(y_true, y_pred):
+            return tf.reduce_mean(tf.cast(y_true, "float32"))
+
+        metrics.append(label_mean)
     train = runner.dataset(tf.data.Dataset.from_tensor_slices((features, labels)), BATCH)
     test = runner.dataset(tf.data.Dataset.from_tensor_slices((features[:100], labels[:100])),
                           BATCH, drop_remainder=False)
@@ -115,7 +126,7 @@ def train_with_runner(args, spe_values, report):
             model.set_weights(start)
             model.compile(runner.optimizer(make_optimizer(optimizer_name)),
                           "sparse_categorical_crossentropy",
-                          metrics=["accuracy"], steps_per_execution=spe)
+                          metrics=metrics, steps_per_execution=spe)
         recorder = EpochRecorder(args.kill, args.pid_dir)
         # Positional, as Keras's signature orders them: x, y, batch_size, epochs, verbose,
         # callbacks (the routed fit binds them by name).
@@ -217,6 +228,8 @@ def main():
     parser.add_argument("--pid_dir")
     parser.add_argument("--bare", choices=["fit", "loop"])
     parser.add_argument("--fixes", action="store_true")
+    parser.add_argument("--labels_by_batch", action="store_true",
+                        help="label each batch by its parity; report the mean label trained on")
     parser.add_argument("--sgd_twin", action="store_true",
                         help="after the other runs, one more with SGD (momentum 0.9)")
     args = parser.parse_args()
