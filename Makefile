@@ -14,7 +14,7 @@ KERAS ?=
 PYTEST_ARGS ?=
 COMPAT := .compat/keras-$(KERAS)
 
-.PHONY: setup demo lint docs test test-fast test-compat mutants bench bench-gpu clean
+.PHONY: setup demo lint docs test test-all test-fast test-compat mutants bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -35,17 +35,35 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
-# Everything, as CI runs it: lint and the docs site first; a missing mpirun or Horovod fails rather than skips.
+# The tiers (docs/develop/tests.md). The unit tier starts no process and trains nothing for
+# long; the first tier adds one real multi-process run of each strategy and technique
+# (tests/tiers.py). A missing mpirun or Horovod fails rather than skips (--require-all).
+UNIT_TIER := not multiprocess and not slow and not benchmark
+FIRST_TIER := (first_tier or ($(UNIT_TIER))) and not serial
+# Each test's CPU seconds and the processes it started (tests/costs.py); the run ends with
+# their summary. make test-all's parts append to one report.
+COSTS := .test-costs.jsonl
 # TEST_WORKERS tests at a time (pytest-xdist; a module whose tests share runs stays on one
-# worker), then the few that assert how long something took, alone.
+# worker).
 TEST_WORKERS ?= 3
+PYTEST := $(BIN)/python -m pytest --require-all --cpu-report=$(COSTS)
+
+# The README's test command: lint, the docs site, the unit and the first tier (under 20
+# minutes from a fresh clone on 2 cores, set-up included).
 test: setup lint docs
-	$(BIN)/python -m pytest --require-all -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
-	$(BIN)/python -m pytest --require-all -m serial
+	rm -f $(COSTS)
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "$(FIRST_TIER)"
+
+# Every test, as CI runs it (.ci/run): lint, the docs site, every test but the few that
+# assert how long something took, then those alone.
+test-all: setup lint docs
+	rm -f $(COSTS)
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
+	$(PYTEST) -m serial
 
 # The unit tier: no process started, nothing trained for long (under 2 minutes).
 test-fast: setup
-	$(BIN)/python -m pytest -m "not multiprocess and not slow and not benchmark"
+	$(BIN)/python -m pytest -m "$(UNIT_TIER)"
 
 test-compat: setup
 	@test -n "$(KERAS)" || { echo "usage: make test-compat KERAS=3.x [PYTEST_ARGS=...]" >&2; exit 2; }
@@ -69,4 +87,4 @@ bench-gpu: setup
 	$(BIN)/python benchmarks/report.py --only gpu
 
 clean:
-	rm -rf $(VENV) .compat tfdist_output benchmarks/results/*.log .pytest_cache site
+	rm -rf $(VENV) .compat tfdist_output benchmarks/results/*.log .pytest_cache site $(COSTS)

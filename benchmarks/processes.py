@@ -21,7 +21,10 @@ import subprocess
 import sys
 import tempfile
 
-TIMEOUT_SECONDS = 280  # a benchmark has 5 minutes in all
+# A benchmark has 5 minutes in all. The suite's smoke runs (tests/test_benchmarks.py) give
+# their children the test's own hang bound instead: on 2 cores beside the suite's other
+# tests, custom_loop.py's two ranks tracing MobileNetV2 (49 s alone) passed 280 s.
+TIMEOUT_SECONDS = float(os.environ.get("BENCHMARK_CHILD_TIMEOUT_SECONDS", 280))
 
 
 def mpirun(ranks: int) -> list[str]:

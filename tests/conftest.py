@@ -5,7 +5,7 @@ Markers (setup.cfg): `multiprocess` (starts processes), `slow` (trains for secon
 process), `benchmark` (runs a benchmark), `gpu`, `requires_mpi`, `requires_horovod`.
 `make test-fast` runs the rest: the unit tier. A test that needs what is missing here
 (a GPU, mpirun, Horovod) is skipped with the reason, unless `--require-all` (which
-`make test` passes) turns a missing mpirun or Horovod into a failure.
+`make test` and `make test-all` pass) turns a missing mpirun or Horovod into a failure.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def pytest_configure(config):
     # before any test runs lets one_device and 2-replica mirrored tests share a
     # process in any order.
     split_cpu(2)
-    # `make test` runs several tests at once on 2 cores, so ranks often wait for a core.
+    # `make test-all` runs several tests at once on 2 cores, so ranks often wait for a core.
     # A waiting Open MPI rank polls without yielding by default, taking the core its
     # peer needs: 3 Horovod tests side by side took 23.6 s each, and 17.4 s yielding
     # (tests/adapters/test_horovod.py's fp16 test, 3 copies at once). Every process the
@@ -49,8 +49,22 @@ def pytest_configure(config):
     # Every process the tests start (the `tfdist` command, scripts, ranks, from any folder)
     # imports the tree under test, not whatever tree the environment's editable install
     # names: a copy of the repository (`make mutants`) tests its own code.
+    # tests/process_count (its sitecustomize) counts those processes for the cost summary.
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+        [str(REPO), str(REPO / "tests" / "process_count"),
+         *filter(None, [os.environ.get("PYTHONPATH")])])
+    if not hasattr(config, "workerinput"):
+        # The run's report: each test's line and each started process's line (its workers,
+        # started after this, inherit the variable). A pytest that a test starts is a run of
+        # its own, with a report of its own.
+        report = config.getoption("--cpu-report")
+        if not report:
+            import tempfile
+
+            descriptor, report = tempfile.mkstemp(prefix="tfdist-test-costs-", suffix=".jsonl")
+            os.close(descriptor)
+            config.add_cleanup(lambda: os.remove(report))
+        os.environ["TFDIST_TEST_COSTS"] = os.path.abspath(report)
 
 
 def pytest_report_header(config):
@@ -64,16 +78,13 @@ def pytest_addoption(parser):
     parser.addoption("--cpu-report", metavar="FILE",
                      help="append each test's CPU seconds (its own process and every process "
                           "it started and waited for), wall seconds, start time and xdist "
-                          "worker to FILE, one JSON line per test; where the suite's time goes "
-                          "on a CPU-bound machine")
+                          "worker to FILE, one JSON line per test, and a line for each Python "
+                          "process a test started; the run's cost summary reads all of FILE "
+                          "(make test-all appends its two parts to one; tests/costs.py)")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    report = item.config.getoption("--cpu-report")
-    if not report:
-        yield
-        return
     import resource
 
     def cpu() -> float:
@@ -88,8 +99,24 @@ def pytest_runtest_protocol(item, nextitem):
     line = {"test": item.nodeid, "cpu_s": round(cpu() - cpu_before, 2),
             "wall_s": round(time.monotonic() - wall_before, 2), "started": round(started, 1),
             "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
-    with open(report, "a") as stream:  # One short write per line: workers do not interleave.
-        stream.write(json.dumps(line) + "\n")
+    with open(os.environ["TFDIST_TEST_COSTS"], "a") as stream:  # One short write per line:
+        stream.write(json.dumps(line) + "\n")                  # workers do not interleave.
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    # Last, after the slowest tests: what the run spent, where a CPU-bound suite's time
+    # goes (the controller's report holds its workers' lines too).
+    if hasattr(config, "workerinput"):
+        return
+    from tests.costs import render, summarize
+
+    with open(os.environ["TFDIST_TEST_COSTS"]) as stream:
+        summary = summarize(stream)
+    if summary["tests"]:
+        terminalreporter.write_sep("=", "cost")
+        for line in render(summary):
+            terminalreporter.write_line(line)
 
 
 def _missing() -> dict[str, str]:
@@ -121,8 +148,13 @@ def pytest_collection_modifyitems(config, items):
     starts_processes = {item.module.__name__ for item in items
                         if "multiprocess" in item.keywords or "benchmark" in item.keywords}
     items.sort(key=lambda item: rank(item.module.__name__))
+    from tests.tiers import first_tier_tests
+
+    first_tier = first_tier_tests()
     missing = _missing()
     for item in items:
+        if item.nodeid in first_tier:
+            item.add_marker(pytest.mark.first_tier)
         for marker, reason in missing.items():
             if marker not in item.keywords:
                 continue
@@ -167,10 +199,12 @@ def mpirun(*args: str, processes: int = 2) -> list[str]:
             *args]
 
 
-def horovodrun(*args: str, processes: int = 2) -> list[str]:
-    """The `horovodrun --gloo` command line for `processes` local ranks running `args`."""
+def horovodrun(*args: str, processes: int = 2, hosts: str | None = None) -> list[str]:
+    """The `horovodrun --gloo` command line for `processes` ranks running `args`: all on
+    localhost, or spread as `hosts` says (`"localhost:1,127.0.0.1:1"`: two host names for
+    this machine, one rank each)."""
     return [str(Path(sys.executable).with_name("horovodrun")), "--gloo", "-np", str(processes),
-            "-H", f"localhost:{processes}", *args]
+            "-H", hosts or f"localhost:{processes}", *args]
 
 
 def launcher_command(launcher: str, *args: str, processes: int = 2) -> list[str]:

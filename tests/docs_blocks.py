@@ -48,7 +48,7 @@ from markdown_it import MarkdownIt
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 NEEDS = ("a cluster", "a GPU", "a TPU")
-# `make` targets that CI runs itself (.ci/run runs `make test`, which runs lint and docs).
+# `make` targets that CI runs itself (.ci/run runs `make test-all`, which runs lint and docs).
 TEST_TARGETS = re.compile(r"^make (test\S*|lint|docs)\b")
 BEFORE_A_RELEASE = re.compile(r"^make (bench|mutants)\b")
 INSTALLS = re.compile(r"\bpip install\b")
@@ -131,7 +131,7 @@ def shell_lines(body: str) -> list[str]:
 def not_run_here(line: str) -> str | None:
     """Why a documented command is run elsewhere than by its page's test, or None."""
     if TEST_TARGETS.match(line):
-        return "a test target: CI runs `make test` (.ci/run)"
+        return "a test target: CI runs `make test-all` (.ci/run)"
     if BEFORE_A_RELEASE.match(line):
         return ("run before a release (about an hour each): tests/test_benchmarks.py runs "
                 "each benchmark, tests/test_mutants.py checks each bug still applies")

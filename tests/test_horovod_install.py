@@ -6,6 +6,7 @@ tests are in tests/adapters/test_horovod.py.
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_collectives_under_mpirun(tmp_path):
 @pytest.mark.requires_horovod
 @pytest.mark.multiprocess
 def test_collectives_under_horovodrun(controller, tmp_path):
-    horovodrun = str(REPO / ".venv" / "bin" / "horovodrun")
+    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
     extra = ["--mpi-args=--allow-run-as-root --oversubscribe"] if (
         controller == "--mpi" and os.geteuid() == 0) else []
     _check_two_ranks(run_command([horovodrun, controller, *extra, "-np", "2", "-H", "localhost:2",

@@ -1,4 +1,5 @@
-"""The suite's own machinery: what `make test` relies on to run tests side by side."""
+"""The suite's own machinery: what `make test` and `make test-all` rely on: tests side by
+side, and the tiers."""
 
 import subprocess
 import sys
@@ -20,7 +21,7 @@ def test_writes_its_worker(index, tmp_path_factory):
 
 @pytest.mark.multiprocess
 def test_loadgroup_runs_a_modules_group_on_one_worker(tmp_path):
-    # `make test` keeps a module whose tests share one launch (a module-scoped fixture)
+    # `make test-all` keeps a module whose tests share one launch (a module-scoped fixture)
     # on one worker with pytest.mark.xdist_group. pytest 9.2 with pytest-xdist 3.8 spreads
     # them silently (pytest-dev/pytest-xdist#1386); pyproject.toml keeps pytest below it.
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
@@ -34,3 +35,36 @@ def test_loadgroup_runs_a_modules_group_on_one_worker(tmp_path):
     workers = {path.read_text() for path in written}
     assert len(written) == 6
     assert len(workers) == 1, f"the group ran on {sorted(workers)}"
+
+
+def test_every_strategy_and_technique_has_a_first_tier_test():
+    from tests.tiers import FIRST_TIER, NO_FIRST_TIER_RUN, TECHNIQUES
+    from tfdist import registry
+
+    required = {*registry.available(), *TECHNIQUES} - set(NO_FIRST_TIER_RUN)
+    assert required <= set(FIRST_TIER), f"no first-tier test for {required - set(FIRST_TIER)}"
+    assert all(FIRST_TIER.values())
+
+
+@pytest.mark.multiprocess
+def test_make_test_selects_the_unit_tier_and_exactly_the_first_tier_listed():
+    # The expression the Makefile gives pytest, collected here: the tests it selects beyond
+    # the unit tier are exactly tests/tiers.py's (each one exists, under that node id).
+    from tests.conftest import REPO
+    from tests.tiers import first_tier_tests
+
+    def makefile(variable):
+        return subprocess.run(["make", "-s", "--no-print-directory", "--eval",
+                               f"print-{variable}: ; @echo '$({variable})'",
+                               f"print-{variable}"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    first_tier, unit_tier = makefile("FIRST_TIER"), makefile("UNIT_TIER")
+    assert "first_tier" in first_tier and unit_tier in first_tier
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                             "-p", "no:cacheprovider", "-m", f"({first_tier}) and not "
+                             f"({unit_tier})"], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    selected = {line for line in result.stdout.splitlines() if "::" in line}
+    assert selected == first_tier_tests(), (selected ^ first_tier_tests())

@@ -3,7 +3,6 @@
 import json
 import os
 import sys
-from pathlib import Path
 
 import keras
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 
 import tfdist
 from tfdist.cluster import detect_cluster
-from tests.conftest import REPO, TFDIST, last_json_line, mpirun, run_command
+from tests.conftest import REPO, TFDIST, horovodrun, last_json_line, mpirun, run_command
 
 # One pytest-xdist worker runs this module, so the `trained` runs are made once.
 pytestmark = pytest.mark.xdist_group("adapters_horovod")
@@ -258,7 +257,7 @@ def test_summed_gradients_or_a_scaled_rate_equal_one_device_at_twice_the_rate(se
 
 # Two host names for this machine: horovodrun --gloo starts a rank on each, so each rank
 # is local rank 0 of 1 on its host, and global rank 0 or 1 of 2, as on two machines.
-TWO_HOSTS = ["-H", "localhost:1,127.0.0.1:1"]
+TWO_HOSTS = "localhost:1,127.0.0.1:1"
 ON_TWO_HOSTS = {
     "sgd": ["--optimizer=sgd"],
     "horovod.scale_learning_rate=true": ["--optimizer=sgd",
@@ -271,9 +270,9 @@ def two_hosts(tmp_path_factory):
     """two_hosts(name): (reports by rank, weights by rank, folder) of that run of
     ON_TWO_HOSTS, trained with one rank on each of two hosts."""
     out = tmp_path_factory.mktemp("horovod_two_hosts")
-    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
-    result = run_command([horovodrun, "--gloo", "-np", "2", *TWO_HOSTS, sys.executable, SCRIPT,
-                          str(out), "--variants", json.dumps(ON_TWO_HOSTS)], cwd=out, timeout=300)
+    result = run_command(horovodrun(sys.executable, SCRIPT, str(out), "--variants",
+                                    json.dumps(ON_TWO_HOSTS), hosts=TWO_HOSTS),
+                         cwd=out, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     return lambda name: (*ranks_of(out / name), out / name)
 
@@ -424,8 +423,7 @@ def test_tfdist_train_under_a_launcher(launcher, precision, zero_stage, tmp_path
     if launcher == "mpirun":
         command = mpirun(*train)
     else:
-        command = [str(REPO / ".venv" / "bin" / "horovodrun"), "--gloo", "-np", "2",
-                   "-H", "localhost:2", *train]
+        command = horovodrun(*train)
     result = run_command(command, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     # The chief's own file (the launchers interleave the ranks' output).
@@ -513,9 +511,8 @@ def test_bad_horovod_options_are_one_line():
 def test_a_gloo_run_reports_its_rank_in_the_environment(tmp_path):
     # horovodrun sets HOROVOD_RANK/SIZE; `tfdist env` sees them and auto picks horovod.
     # Each rank writes its own file: horovodrun interleaves the ranks' output.
-    result = run_command([str(REPO / ".venv" / "bin" / "horovodrun"), "--gloo", "-np", "2",
-                          "-H", "localhost:2", "sh", "-c",
-                          f"{TFDIST} env --json > env$HOROVOD_RANK.json"], cwd=tmp_path)
+    result = run_command(horovodrun("sh", "-c", f"{TFDIST} env --json > env$HOROVOD_RANK.json"),
+                         cwd=tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     reports = [json.loads((tmp_path / f"env{rank}.json").read_text()) for rank in (0, 1)]
     assert [report["auto"]["strategy"] for report in reports] == ["horovod", "horovod"]

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, TFDIST, launcher_command, run_command
+from tests.conftest import REPO, TFDIST, horovodrun, launcher_command, run_command
 
 SCRIPT = str(REPO / "tests" / "scripts" / "resumable_training.py")
 STEPS, EPOCHS = 12, 3
@@ -511,10 +511,8 @@ def test_horovod_elastic_goes_on_with_the_rank_left(reference, tmp_path):
     # the last commit (step 4), with the whole global batch and the learning rate for 1.
     command = script(tmp_path, "horovod", "--elastic", "--scale_learning_rate",
                      "--kill", "rank1@1:6")
-    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
-    result = run_command([horovodrun, "--gloo", "-np", "2", "--min-np", "1",
-                          "-H", "localhost:1,127.0.0.1:1", *command], cwd=tmp_path,
-                         timeout=LAUNCH_BOUND_SECONDS)
+    result = run_command(horovodrun("--min-np", "1", *command, hosts="localhost:1,127.0.0.1:1"),
+                         cwd=tmp_path, timeout=LAUNCH_BOUND_SECONDS)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     report = final(tmp_path, "rank0")
     assert [start["replicas"] for start in report["starts"]] == [2, 1]
