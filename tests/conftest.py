@@ -148,12 +148,12 @@ def pytest_collection_modifyitems(config, items):
     starts_processes = {item.module.__name__ for item in items
                         if "multiprocess" in item.keywords or "benchmark" in item.keywords}
     items.sort(key=lambda item: rank(item.module.__name__))
-    from tests.tiers import first_tier_tests
+    from tests.tiers import first_tier_tests, listed_id
 
     first_tier = first_tier_tests()
     missing = _missing()
     for item in items:
-        if item.nodeid in first_tier:
+        if listed_id(item) in first_tier:
             item.add_marker(pytest.mark.first_tier)
         for marker, reason in missing.items():
             if marker not in item.keywords:

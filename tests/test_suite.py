@@ -37,6 +37,37 @@ def test_loadgroup_runs_a_modules_group_on_one_worker(tmp_path):
     assert len(workers) == 1, f"the group ran on {sorted(workers)}"
 
 
+TIER_CONFTEST = '''
+import pytest
+
+from tests.tiers import listed_id
+
+LISTED = {f"test_grouped.py::test_writes_its_worker[{index}]" for index in (1, 4)}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if listed_id(item) in LISTED:
+            item.add_marker(pytest.mark.first_tier)
+'''
+
+
+@pytest.mark.multiprocess
+def test_the_first_tier_is_marked_in_a_group_under_xdist(tmp_path):
+    # make test selects `-m first_tier` with --dist loadgroup, where pytest-xdist's workers
+    # rename a grouped module's tests (`...[1]@one_worker`): the listed ones still run.
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    first_tier: listed\n")
+    (tmp_path / "conftest.py").write_text(TIER_CONFTEST)
+    (tmp_path / "test_grouped.py").write_text(GROUPED_MODULE)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist",
+                             "loadgroup", "-p", "no:cacheprovider", "-m", "first_tier",
+                             f"--basetemp={tmp_path / 'base'}", "test_grouped.py"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert sorted(path.name for path in (tmp_path / "base").glob("worker-*.txt")) == [
+        "worker-1.txt", "worker-4.txt"]
+
+
 def test_every_strategy_and_technique_has_a_first_tier_test():
     from tests.tiers import FIRST_TIER, NO_FIRST_TIER_RUN, TECHNIQUES
     from tfdist import registry

@@ -60,3 +60,14 @@ FIRST_TIER: dict[str, list[str]] = {
 def first_tier_tests() -> set[str]:
     """Every node id FIRST_TIER names."""
     return {test for tests in FIRST_TIER.values() for test in tests}
+
+
+def listed_id(item) -> str:
+    """A collected test's node id as FIRST_TIER lists it (file::name[params]), built from its
+    parts: pytest-xdist's workers append `@GROUP` to the node id of a test in an
+    `xdist_group` (--dist loadgroup) before a conftest sees it.
+
+    Args:
+        item: A `pytest.Item` (a test function of a module).
+    """
+    return f"{item.nodeid.split('::', 1)[0]}::{item.name}"
