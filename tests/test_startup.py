@@ -28,7 +28,7 @@ def tf_config(addresses, index, kind="worker"):
 
 
 def test_two_tasks_waiting_for_each_other_both_go_on():
-    errors = []
+    errors, servers, done = [], [], threading.Event()
 
     def task(own, peer):
         try:
@@ -36,6 +36,16 @@ def test_two_tasks_waiting_for_each_other_both_go_on():
             wait_for_peers(own, {"peer": peer}, timeout_seconds=60)
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
+            return
+        # Then TensorFlow's server binds the task's port, as in a real start. The task that
+        # sees its peer first stops listening, and its peer, still trying, finds the server
+        # (the listener's last moments alone were missed once under load).
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("", int(own.rsplit(":", 1)[1])))
+        server.listen(4)
+        servers.append(server)
+        done.wait(timeout=90)
 
     # Held while the tasks start, so no other test's cluster draws them meanwhile.
     with reserved_ports(2) as ports:
@@ -45,9 +55,16 @@ def test_two_tasks_waiting_for_each_other_both_go_on():
         for thread in threads:
             thread.start()
             time.sleep(0.5)  # the second starts later, as a slower pod would
+        deadline = time.monotonic() + 90
+        while len(servers) + len(errors) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        done.set()
         for thread in threads:
-            thread.join(timeout=90)
-    assert errors == [] and not any(thread.is_alive() for thread in threads)
+            thread.join(timeout=30)
+        for server in servers:
+            server.close()
+    assert errors == [] and len(servers) == 2
+    assert not any(thread.is_alive() for thread in threads)
     # Both ports are free again for TensorFlow's servers.
     for address in (first, second):
         with socket.socket() as probe:
