@@ -14,7 +14,7 @@ KERAS ?=
 PYTEST_ARGS ?=
 COMPAT := .compat/keras-$(KERAS)
 
-.PHONY: setup demo lint docs test test-all test-fast test-compat mutants bench bench-gpu clean
+.PHONY: setup demo lint docs test test-all test-fast test-compat refusals mutants bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,18 @@ test-all: setup lint docs
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
 	$(PYTEST) -m serial
 
+# Which of tfdist's refusals of bad input (a ConfigError raised, an exit with status 2) the
+# tests reach: every test that starts no process and the multi-process tests marked
+# `refuses`, under coverage.py in every process they start; lists each refusal no test
+# reached, and fails if there is one (tests/refusals.py). About 10 minutes on 2 cores.
+refusals: setup
+	rm -f .coverage .coverage.*
+	COVERAGE_FILE=$(CURDIR)/.coverage COVERAGE_PROCESS_START=$(CURDIR)/setup.cfg \
+	  $(BIN)/python -m coverage run -m pytest --require-all -n $(TEST_WORKERS) --dist loadgroup \
+	  -m "(not multiprocess and not benchmark or refuses) and not serial"
+	$(BIN)/python -m coverage combine -q
+	$(BIN)/python -m tests.refusals .coverage
+
 # The unit tier: no process started, nothing trained for long (under 2 minutes).
 test-fast: setup
 	$(BIN)/python -m pytest -m "$(UNIT_TIER)"
@@ -87,4 +99,4 @@ bench-gpu: setup
 	$(BIN)/python benchmarks/report.py --only gpu
 
 clean:
-	rm -rf $(VENV) .compat tfdist_output benchmarks/results/*.log .pytest_cache site $(COSTS)
+	rm -rf $(VENV) .compat tfdist_output benchmarks/results/*.log .pytest_cache site $(COSTS) .coverage .coverage.*

@@ -13,9 +13,10 @@ What a page may hold:
 - a `sh` block: commands, each line run by bash in order (a `\\` at a line's end joins the
   next; `#` starts a comment). Lines that install into an environment (`pip install`) run in
   a fresh environment in `tests/test_packaging.py`; `make test` and the other test targets
-  (`test*`, `lint`, `docs`) are what CI runs itself, and `make bench` and `make mutants`
-  (about an hour each) are run before a release: `tests/test_benchmarks.py` runs each
-  benchmark briefly, `tests/test_mutants.py` checks that each deliberate bug still applies;
+  (`test*`, `lint`, `docs`) are what CI runs itself, and `make bench`, `make mutants` and
+  `make refusals` (10 minutes to an hour each) are run before a release:
+  `tests/test_benchmarks.py` runs each benchmark briefly, `tests/test_mutants.py` checks that
+  each deliberate bug still applies, `tests/test_refusals.py` how refusals are judged;
 - a `yaml` block: a config `tfdist.load_config` reads; a `text` block: output or a listing;
 - an HTML comment right before a block, with clauses separated by `;`:
   `under: LAUNCHER` (the python block runs as `LAUNCHER python program.py`),
@@ -50,7 +51,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 NEEDS = ("a cluster", "a GPU", "a TPU")
 # `make` targets that CI runs itself (.ci/run runs `make test-all`, which runs lint and docs).
 TEST_TARGETS = re.compile(r"^make (test\S*|lint|docs)\b")
-BEFORE_A_RELEASE = re.compile(r"^make (bench|mutants)\b")
+BEFORE_A_RELEASE = re.compile(r"^make (bench|mutants|refusals)\b")
 INSTALLS = re.compile(r"\bpip install\b")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LOSS = re.compile(r"(?<![\w.])loss: ([0-9.]+(?:e[-+]?\d+)?)")
@@ -133,8 +134,9 @@ def not_run_here(line: str) -> str | None:
     if TEST_TARGETS.match(line):
         return "a test target: CI runs `make test-all` (.ci/run)"
     if BEFORE_A_RELEASE.match(line):
-        return ("run before a release (about an hour each): tests/test_benchmarks.py runs "
-                "each benchmark, tests/test_mutants.py checks each bug still applies")
+        return ("run before a release (10 minutes to an hour each): tests/test_benchmarks.py "
+                "runs each benchmark, tests/test_mutants.py checks each bug still applies, "
+                "tests/test_refusals.py checks how refusals are found and judged")
     return None
 
 

@@ -9,15 +9,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from typing import Callable
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfdist
+from tfdist.adapters.parameter_server import coordinated_fit
+from tfdist.app import launch, train
 from tfdist.cluster import detect_cluster
+from tfdist.devices import model_devices
 from tfdist.files import writable_folder
+from tfdist.parallel import Pipeline
+from tfdist.resume.backup import BackupAndRestore
 from tfdist.sharding import sharded_optimizer
 from tests.conftest import TFDIST, run_command
 
@@ -25,11 +32,41 @@ TWO_REPLICAS = {"strategy": "mirrored", "mirrored.cpu_replicas": 2}
 TWO_REPLICA_FLAGS = ["--strategy=mirrored", "--set", "mirrored.cpu_replicas=2"]
 TWO_CHIEFS = json.dumps({"cluster": {"chief": ["localhost:1", "localhost:2"]},
                          "task": {"type": "chief", "index": 0}})
+WITH_PS = json.dumps({"cluster": {"chief": ["localhost:1"], "worker": ["localhost:2"],
+                                  "ps": ["localhost:3"]}, "task": {"type": "worker", "index": 0}})
+AN_EVALUATOR = json.dumps({"cluster": {"worker": ["localhost:1"], "evaluator": ["localhost:2"]},
+                           "task": {"type": "evaluator", "index": 0}})
+A_NEGATIVE_INDEX = json.dumps({"cluster": {"worker": ["localhost:1"]},
+                               "task": {"type": "worker", "index": -1}})
 
 
 def runner(overrides, env=None):
     cluster = detect_cluster(env, probe_gpus=False) if env is not None else None
     return tfdist.Runner(tfdist.load_config(overrides=overrides), cluster=cluster)
+
+
+def fit_under_parameter_server(**arguments):
+    """tfdist's model.fit under parameter_server (what the strategy's fit runs): its
+    arguments are checked before any task is reached, so no cluster is needed here."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    batches = tf.data.Dataset.from_tensor_slices((tf.ones((32, 4)), tf.ones((32, 2)))).batch(8)
+    coordinated_fit.fit(model, model.fit, **{"x": batches, **arguments})
+
+
+def train_without_tensorboard(directory):
+    # None in sys.modules is how Python marks a module that cannot be imported.
+    saved = sys.modules.get("tensorboard")
+    sys.modules["tensorboard"] = None
+    try:
+        train.run(tfdist.load_config(overrides={"strategy": "one_device",
+                                                "train.tensorboard": True,
+                                                "train.output_dir": str(directory)}))
+    finally:
+        if saved is None:
+            del sys.modules["tensorboard"]
+        else:
+            sys.modules["tensorboard"] = saved
 
 
 def fit_model_made_outside_the_scope(directory):
@@ -173,6 +210,109 @@ CASES = [
                            "model_parallel.micro_batches": 3}).dataset(
              tf.data.Dataset.range(512), 64),
          "model_parallel.micro_batches=3 must divide each replica's batch of 64 examples"),
+    Case("a string given a number", ["--set", "strategy=3"],
+         lambda d: tfdist.load_config(overrides={"strategy": 3}),
+         "strategy must be a string, one of auto, one_device"),
+    Case("a numbered choice given a word", ["--set", "zero_stage=two"],
+         lambda d: tfdist.load_config(overrides={"zero_stage": "two"}),
+         "zero_stage must be an integer. Received: zero_stage='two' (str)"),
+    Case("a text setting given a YAML boolean", ["--set", "train.output_dir=off"],
+         lambda d: tfdist.load_config(overrides={"train.output_dir": False}),
+         "train.output_dir must be a string; YAML reads unquoted yes/no/on/off"),
+    Case("a config path that is a folder", ["--config=."],
+         lambda d: tfdist.load_config(d), "config path is a directory"),
+    Case("an empty override key (Python only)", None,
+         lambda d: tfdist.load_config(overrides={"": 1}), "override keys must be non-empty"),
+    Case("an override inside a value (Python only)", None,
+         lambda d: tfdist.load_config(overrides={"strategy": "mirrored", "strategy.x": 1}),
+         "override 'strategy.x' reaches inside 'strategy', which is not a section"),
+    Case("a flag's value and a key inside it", ["--strategy=mirrored", "--set", "strategy.x=1"],
+         lambda d: tfdist.load_config(overrides={"strategy.x": 1, "strategy": "mirrored"}),
+         "override 'strategy' is a section, which strategy.x set keys inside, and a value too"),
+    Case("--set with a value that is not YAML (CLI only)", ["--set", "train.epochs=[1"], None,
+         "--set train.epochs= has a value that is not valid YAML; quote it"),
+    Case("a device that is not a device", ["--set", "one_device.device=/cpu:zero"],
+         lambda d: runner({"strategy": "one_device", "one_device.device": "/cpu:zero"}),
+         "one_device.device must be a device such as '/cpu:0'"),
+    Case("a device that is neither CPU nor GPU", ["--set", "one_device.device=/tpu:0"],
+         lambda d: runner({"strategy": "one_device", "one_device.device": "/tpu:0"}),
+         "one_device.device must name a CPU or GPU device"),
+    Case("multi_worker in a cluster with ps tasks", ["--strategy=multi_worker"],
+         lambda d: runner({"strategy": "multi_worker"}, env={"TF_CONFIG": WITH_PS}),
+         "strategy multi_worker trains on chief and worker tasks only, and TF_CONFIG names "
+         "1 ps tasks", env={"TF_CONFIG": WITH_PS}),
+    Case("multi_worker as an evaluator", ["--strategy=multi_worker"],
+         lambda d: runner({"strategy": "multi_worker"}, env={"TF_CONFIG": AN_EVALUATOR}),
+         "TF_CONFIG makes this process a 'evaluator'", env={"TF_CONFIG": AN_EVALUATOR}),
+    Case("a negative TF_CONFIG task index", ["--strategy=one_device"],
+         lambda d: runner({"strategy": "one_device"}, env={"TF_CONFIG": A_NEGATIVE_INDEX}),
+         "TF_CONFIG task.index must be an integer >= 0", env={"TF_CONFIG": A_NEGATIVE_INDEX}),
+    Case("a launcher's rank without its size", ["--strategy=one_device"],
+         lambda d: runner({"strategy": "one_device"}, env={"OMPI_COMM_WORLD_RANK": "0"}),
+         "OMPI_COMM_WORLD_SIZE is not set, though its launcher's other variables are",
+         env={"OMPI_COMM_WORLD_RANK": "0"}),
+    Case("zero_stage 3 with model_parallel", ["--strategy=horovod", "--zero_stage=3",
+                                              "--set", "model_parallel.devices=2"], None,
+         "zero_stage 3 stores each weight as 1/N per rank, and model_parallel places whole "
+         "layers on devices"),
+    Case("TensorBoard logs without tensorboard (Python only)", None,
+         train_without_tensorboard, "train.tensorboard needs the tensorboard package"),
+    Case("run_elastic outside Horovod (Python only)", None,
+         lambda d: runner({"strategy": "one_device"}).run_elastic(lambda state: None),
+         "runner.run_elastic needs strategy horovod"),
+    Case("a global batch of 0 for runner.dataset (Python only)", None,
+         lambda d: runner({"strategy": "one_device"}).dataset(tf.data.Dataset.range(100), 0),
+         "global_batch_size must be an integer >= 1. Received: global_batch_size=0"),
+    Case("a negative shuffle buffer (Python only)", None,
+         lambda d: runner({"strategy": "one_device"}).dataset(tf.data.Dataset.range(100), 10,
+                                                              shuffle_buffer_size=-1),
+         "shuffle_buffer_size must be an integer >= 0"),
+    Case("a Runner given a strategy's name (Python only)", None,
+         lambda d: tfdist.Runner("mirrored"), "Runner needs a tfdist.Config"),
+    Case("checkpoints kept: 1 (Python only)", None,
+         lambda d: runner({"strategy": "one_device"}).callbacks(checkpoint_dir=d, keep=1),
+         "keep must be an integer >= 2. Received: keep=1"),
+    Case("a checkpoint folder that is empty text (Python only)", None,
+         lambda d: BackupAndRestore("", runner({"strategy": "one_device"})._adapter),
+         "checkpoint_dir must name a folder"),
+    Case("tfdist launch on a network that is neither (Python only)", None,
+         lambda d: launch.launch(["true"], 1, network="public"),
+         "tfdist launch --network must be private or host"),
+    Case("a Pipeline of no layers (Python only)", None,
+         lambda d: Pipeline([]), "Pipeline needs at least one layer"),
+    Case("a Pipeline of -1 micro-batches (Python only)", None,
+         lambda d: Pipeline([keras.layers.Dense(2)], micro_batches=-1, devices=["/cpu:0"]),
+         "Pipeline micro_batches must be an integer >= 1"),
+    Case("zero_stage over variables of two dtypes (Python only)", None,
+         lambda d: sharded_optimizer(keras.optimizers.SGD(0.1), None, stage=1).build(
+             [keras.Variable(np.zeros(2, "float32")), keras.Variable(np.zeros(2, "float64"))]),
+         "zero_stage 1 shards variables of one dtype, but this model trains float32, float64"),
+    Case("zero_stage with Keras's own accumulation (Python only)", None,
+         lambda d: sharded_optimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
+                                     None, stage=1),
+         "zero_stage 1 cannot shard Keras's own gradient_accumulation_steps"),
+    Case("no free port for a task (Python only)", None,
+         # 192.0.2.1 (TEST-NET-1) is on no interface of this machine: no port binds there.
+         lambda d: launch.free_ports(1, host="192.0.2.1"),
+         "tfdist launch found 0 of 1 free ports on 192.0.2.1"),
+    Case("more model devices than GPUs (Python only)", None,
+         lambda d: model_devices(2, gpus=1),
+         "model_parallel.devices=2 needs 2 GPUs for each process, but it sees 1"),
+    Case("class_weight to fit under parameter_server (Python only)", None,
+         lambda d: fit_under_parameter_server(class_weight={0: 1.0}),
+         "model.fit under parameter_server does not take class_weight"),
+    Case("no data to fit under parameter_server (Python only)", None,
+         lambda d: fit_under_parameter_server(x=None),
+         "model.fit under parameter_server needs a batched tf.data.Dataset"),
+    Case("0 steps per epoch under parameter_server (Python only)", None,
+         lambda d: fit_under_parameter_server(steps_per_epoch=0),
+         "steps_per_epoch must be an integer >= 1. Received: steps_per_epoch=0"),
+    Case("an endless dataset without steps under parameter_server (Python only)", None,
+         lambda d: fit_under_parameter_server(
+             x=tf.data.Dataset.from_tensor_slices((tf.ones((8, 4)), tf.ones((8, 2)))).batch(
+                 4).repeat()),
+         "model.fit under parameter_server needs steps_per_epoch for a dataset that is "
+         "infinite"),
     Case("malformed --set (CLI only)", ["--set", "epochs"], None, "--set expects KEY=VALUE"),
     Case("unknown flag (CLI only)", ["--strategyy=mirrored"], None,
          "Unknown command line flag 'strategyy'"),
@@ -202,6 +342,7 @@ def test_python_raises_one_line_config_error(case, tmp_path):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.cli is not None], ids=lambda c: c.name)
 @pytest.mark.multiprocess
+@pytest.mark.refuses
 def test_cli_exits_2_with_one_error_line(case, tmp_path):
     _write_files(case, tmp_path)
     # A short run, should a case not fail; the case's own flags come last and win.

@@ -155,6 +155,7 @@ def test_usage(args, status, fragment, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.refuses
 def test_a_command_line_with_several_mistakes_gets_a_line_for_each(tmp_path):
     result = run_command([TFDIST, "train", "--strategy", "mirorred", "--set", "train.epochz=2",
                           "--set", "accumulation_steps=0"], cwd=tmp_path)
@@ -204,6 +205,7 @@ def test_example_script_trains_a_users_model_quietly(tmp_path):
     (["--strategy=mirrored", "--set", "mirrored.cpu_replicas=2", "--global_batch_size=63"],
      "global_batch_size 63 does not divide across 2 replicas"),
 ], ids=["strategy", "epochs", "train_keys", "batch"])
+@pytest.mark.refuses
 def test_example_script_reports_bad_input_in_one_line_with_status_2(arguments, line, tmp_path):
     result = run_command([sys.executable, str(REPO / "examples" / "keras_fit.py"), *arguments],
                          cwd=tmp_path)

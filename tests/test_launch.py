@@ -172,17 +172,23 @@ def test_interrupting_the_launcher_stops_every_child(signum, started_ignoring_si
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["-n", "0", "--", "true"], "-n must be an integer >= 1"),
-    (["-n", "2"], "needs a command after '--'"),
-    (["-n", "two", "--", "true"], "flag --num_workers=two"),
-    (["--ps", "-1", "-n", "1", "--", "true"], "--ps must be an integer >= 0"),
-    (["-n", "1", "stray", "--", "true"], "unexpected: stray"),
-    (["-n", "2", "--", "nosuchcmd"], "tfdist launch: command not found: nosuchcmd; give a "
-                                     "program on PATH or a path to an executable file"),
+    (["launch", "-n", "0", "--", "true"], "-n must be an integer >= 1"),
+    (["launch", "-n", "2"], "needs a command after '--'"),
+    (["launch", "-n", "two", "--", "true"], "flag --num_workers=two"),
+    (["launch", "--ps", "-1", "-n", "1", "--", "true"], "--ps must be an integer >= 0"),
+    (["launch", "-n", "1", "stray", "--", "true"], "unexpected: stray"),
+    (["launch", "-n", "2", "--", "nosuchcmd"], "tfdist launch: command not found: nosuchcmd; "
+                                               "give a program on PATH or a path to an "
+                                               "executable file"),
+    (["supervise"], "tfdist supervise needs a command after '--'"),
+    (["supervise", "--", "nosuchcmd"], "tfdist supervise: command not found: nosuchcmd"),
+    (["supervise", "--grace_seconds", "0", "--", "true"],
+     "tfdist supervise --grace_seconds must be > 0"),
 ])
 @pytest.mark.multiprocess
+@pytest.mark.refuses
 def test_bad_input(args, fragment, tmp_path):
-    result = run_command([TFDIST, "launch", *args], cwd=tmp_path)
+    result = run_command([TFDIST, *args], cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert fragment in result.stderr
@@ -245,6 +251,7 @@ def test_a_task_killed_by_a_signal_ends_the_group_with_128_plus_the_signal(tmp_p
 
 
 @pytest.mark.multiprocess
+@pytest.mark.refuses
 def test_a_bad_grace_period_is_one_line(tmp_path):
     result = run_command([TFDIST, "launch", "-n", "1", "--grace_seconds", "0", "--", "true"],
                          cwd=tmp_path)

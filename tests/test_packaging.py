@@ -115,6 +115,7 @@ def test_the_wheel_trains_a_preset_by_name_and_under_its_launcher(installed):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.refuses
 def test_without_its_tensorflow_extra_the_wheel_says_which_to_install(without_tensorflow):
     bin_dir, elsewhere = without_tensorflow
     # A command that works from a clone and from the wheel alike (tfdist is not on PyPI).
@@ -132,6 +133,7 @@ def test_without_its_tensorflow_extra_the_wheel_says_which_to_install(without_te
 
 
 @pytest.mark.multiprocess
+@pytest.mark.refuses
 def test_without_horovod_the_wheel_names_a_script_it_holds(installed):
     bin_dir, elsewhere = installed
     # A None entry in sys.modules makes `import horovod` fail, as when it is not installed.

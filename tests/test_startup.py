@@ -281,6 +281,7 @@ def test_a_strategy_the_launched_cluster_cannot_run_is_refused_by_every_task_at_
 
 @pytest.mark.multiprocess
 @pytest.mark.requires_mpi
+@pytest.mark.refuses
 def test_a_one_process_strategy_under_mpirun_is_refused_by_every_rank(tmp_path):
     result = run_command(mpirun("--output-filename", str(tmp_path / "ranks"), TFDIST, "train",
                                 "--strategy", "one_device"), cwd=tmp_path, timeout=120)

@@ -264,8 +264,11 @@ def _int_var(env: Mapping[str, str], name: str, default: int | None = None) -> i
     value = env.get(name)
     if value is None:
         if default is None:
+            prefix = name.rsplit("_", 1)[0]
+            present = sorted(key for key in env if key.startswith(prefix))
             raise ConfigError(f"{name} is not set, though its launcher's other variables are; "
-                              f"start the process with the launcher, or unset them all")
+                              f"start the process with the launcher, or unset them all. "
+                              f"Received: {', '.join(present)} set")
         return default
     try:
         return int(value)

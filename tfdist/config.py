@@ -667,6 +667,12 @@ def _expand_dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
             if not isinstance(target, dict):
                 raise ConfigError(f"override '{key}' reaches inside '{section}', which is not a "
                                   f"section. Received: {key}={value!r}")
+        if isinstance(target.get(name), dict) and not isinstance(value, Mapping):
+            # Whichever came last would win silently: `--set strategy.x=1` with
+            # `--strategy mirrored` trained as if the first were never given.
+            inner = ", ".join(f"{key}.{field}" for field in target[name])
+            raise ConfigError(f"override '{key}' is a section, which {inner} set keys inside, "
+                              f"and a value too; give one of them. Received: {key}={value!r}")
         target[name] = _deep_merge(target[name], value) if (
             isinstance(target.get(name), dict) and isinstance(value, Mapping)) else value
     return nested

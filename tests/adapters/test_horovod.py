@@ -451,6 +451,7 @@ def test_users_model_with_batchnorm_dropout_validation_and_evaluate(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.refuses
 def test_without_horovod_one_line_says_how_to_install(tmp_path):
     # A None entry in sys.modules makes `import horovod` raise ImportError, as when
     # Horovod is not installed.
@@ -484,6 +485,7 @@ def test_a_lone_process_says_once_that_it_is_one_rank(tmp_path):
 @pytest.mark.parametrize("refused, line", [
     ("--set horovod.op=adasum", "power-of-2 number of ranks"),
     ("--set train.global_batch_size=64", "global_batch_size 64 does not divide across 3")])
+@pytest.mark.refuses
 def test_adasum_or_a_batch_that_does_not_divide_by_3_ranks_is_one_line(refused, line, tmp_path):
     # Each rank's stderr goes to its own file: mpirun may interleave the ranks' output.
     train = f"{TFDIST} train --strategy=horovod {refused}"
@@ -497,6 +499,25 @@ def test_adasum_or_a_batch_that_does_not_divide_by_3_ranks_is_one_line(refused, 
     said = [lines for lines in said if lines]
     assert said and all(len(lines) == 1 and line in lines[0] for lines in said), outputs
     assert not any("Traceback" in text for text in outputs)
+
+
+@pytest.mark.requires_mpi
+@pytest.mark.requires_horovod
+@pytest.mark.multiprocess
+@pytest.mark.refuses
+def test_the_drop_ins_adasum_on_3_ranks_is_one_line(tmp_path):
+    # Horovod's own API through tfdist's drop-in: Adasum needs a power-of-2 number of ranks.
+    program = ("import keras, tfdist.horovod.keras as hvd; hvd.init(); "
+               "hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)")
+    result = run_command(mpirun("sh", "-c", f"{sys.executable} -c '{program}' "
+                                "2> stderr$OMPI_COMM_WORLD_RANK.txt", processes=3), cwd=tmp_path)
+    assert result.returncode != 0
+    lasts = [path.read_text().strip().splitlines()[-1:]
+             for path in sorted(tmp_path.glob("stderr*.txt"))]
+    # mpirun stops the other ranks when the first exits, so 1 to 3 of them say it.
+    said = [last[0] for last in lasts if last and "ConfigError" in last[0]]
+    assert said and all(line.startswith("tfdist.errors.ConfigError: op Adasum needs a "
+                                        "power-of-2 number of ranks") for line in said), lasts
 
 
 def test_bad_horovod_options_are_one_line():

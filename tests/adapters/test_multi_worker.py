@@ -1,5 +1,6 @@
 """multi_worker under Keras 3 model.fit, with real local processes started by tfdist launch."""
 
+import json
 import os
 import subprocess
 import sys
@@ -92,6 +93,40 @@ def test_equals_one_device(cpu_replicas, optimizer, replicas, bytes_per_pack, tm
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(distributed, reference)) < TOLERANCE
 
 
+@pytest.mark.multiprocess
+def test_a_cluster_of_two_host_names_equals_one_device(tmp_path):
+    # Two hosts as TF_CONFIG names them on two machines, both this one: each worker is the
+    # only task of its host, and the data sharding and the all-reduce follow the task's
+    # index in the whole cluster. Each worker's output goes to its own file.
+    from tfdist.app.launch import free_ports
+
+    first, second = free_ports(2)
+    workers = [f"localhost:{first}", f"127.0.0.1:{second}"]
+    out = tmp_path / "weights.npz"
+    processes = []
+    for index in (0, 1):
+        tf_config = json.dumps({"cluster": {"worker": workers},
+                                "task": {"type": "worker", "index": index}})
+        with open(tmp_path / f"worker{index}.txt", "w") as output:
+            processes.append(subprocess.Popen(
+                [sys.executable, SCRIPT, str(out), "--optimizer=sgd"], cwd=tmp_path,
+                stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"}))
+    try:
+        statuses = [process.wait(timeout=120) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    outputs = [(tmp_path / f"worker{index}.txt").read_text() for index in (0, 1)]
+    assert statuses == [0, 0], [output[-2000:] for output in outputs]
+    assert all("replicas=2 iterations=20" in output for output in outputs)
+    distributed = [array for _, array in sorted(np.load(out).items(),
+                                                key=lambda item: int(item[0].split("_")[1]))]
+    keras.backend.clear_session()
+    reference, _ = one_device_weights("sgd")
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(distributed, reference)) < TOLERANCE
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.multiprocess
 def test_accumulating_4_micro_batches_equals_one_device(optimizer, tmp_path):
@@ -156,12 +191,38 @@ def test_users_model_with_batchnorm_dropout_validation_and_evaluate(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.refuses
 def test_batch_that_does_not_divide_fails_on_every_worker_with_one_line(tmp_path):
     result = launch([TFDIST, "train", "--strategy=multi_worker",
                      "--set", "train.global_batch_size=63"], tmp_path)
     assert result.returncode == 2
     assert "global_batch_size 63 does not divide across 2 replicas" in result.stdout
     assert "Traceback" not in result.stdout
+
+
+# One worker of its own cluster, in a fresh process: each program ends in a refusal.
+ONE_WORKER = ("import sys, tensorflow as tf, tfdist\n"
+              "from tfdist.app.launch import free_ports\n"
+              "def runner(**settings):\n"
+              "    return tfdist.Runner(tfdist.load_config(overrides={\n"
+              "        'strategy': 'multi_worker',\n"
+              "        'multi_worker.workers': [f'localhost:{free_ports(1)[0]}'], **settings}))\n")
+
+
+@pytest.mark.parametrize("program, message", [
+    ("tf.constant(1.0) + 1\nrunner()",
+     "strategy multi_worker must start before TensorFlow runs any op"),
+    ("runner(**{'multi_worker.cpu_replicas': 2}).dataset(\n"
+     "    lambda context: tf.data.Dataset.range(8), 4)",
+     "a dataset function with more than one replica per worker is not supported yet"),
+])
+@pytest.mark.multiprocess
+@pytest.mark.refuses
+def test_what_a_worker_cannot_do_is_one_line(program, message, tmp_path):
+    result = run_command([sys.executable, "-c", ONE_WORKER + program], cwd=tmp_path)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tfdist.errors.ConfigError: {message}"), result.stderr[-2000:]
 
 
 def test_no_cluster_is_one_line():

@@ -397,21 +397,95 @@ REFUSALS = {
                                       "are not written yet"),
     "sliced_weights_at_stage_1": (["--stage=1", "--checkpoint_dir={tmp}/sliced"],
                                   "checkpoint "),  # then its number, and:
+    "sharded_state_at_stage_0": (["--stage=0", "--checkpoint_dir={tmp}/sharded"],
+                                 "in {tmp}/sharded holds sharded optimizer state (saved with "
+                                 "zero_stage 1 or 2)"),
+    "whole_state_at_stage_2": (["--stage=2", "--checkpoint_dir={tmp}/whole"],
+                               "in {tmp}/whole has no sharded optimizer state (it was saved "
+                               "with zero_stage 0)"),
 }
 SLICED = ("holds each weight as slices (saved with zero_stage 3); resume it with zero_stage 2 "
           "or 3")
 
 
+# One rank at stage 3, in a fresh process: what a user may try on a model whose weights are
+# slices, each answered in one line. Each attempt's error (or null) is a JSON line.
+STAGE_3_ATTEMPTS = """
+import json
+import numpy as np, keras, tensorflow as tf
+import tfdist
+
+runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "horovod", "zero_stage": 3}))
+with runner.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="out")])
+    model.compile(runner.optimizer(keras.optimizers.Adam(0.01)), "mse")
+
+
+def fit_then_load_another_optimizers_state():
+    data = runner.dataset(tf.data.Dataset.from_tensor_slices(
+        (np.zeros((8, 4), "float32"), np.zeros((8, 3), "float32"))), 8)
+    model.fit(data, epochs=1, verbose=0, callbacks=runner.callbacks())
+    model.optimizer.load_own_variables({"0": np.zeros(1)})
+
+
+for name, attempt in {
+        "save_before_fit": lambda: model.save("model.keras"),
+        "load_state_before_fit": lambda: model.optimizer.load_own_variables({"0": np.zeros(1)}),
+        "export_before_fit": lambda: model.export("exported"),
+        "tf_saved_model_save": lambda: tf.saved_model.save(model, "saved_model"),
+        "load_another_optimizers_state": fit_then_load_another_optimizers_state}.items():
+    try:
+        attempt()
+        print(json.dumps({name: None}))
+    except tfdist.ConfigError as error:
+        print(json.dumps({name: str(error)}))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.refuses
+def test_what_stage_3_weights_cannot_do_is_one_line(tmp_path):
+    result = run_command([sys.executable, "-c", STAGE_3_ATTEMPTS], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("{"):
+            said.update(json.loads(line))
+    assert all(message and "\n" not in message for message in said.values()), said
+    assert said["save_before_fit"].startswith(
+        "a zero_stage 3 optimizer holds 1/N of its state on each rank, gathered to rank 0 at "
+        "the end of each fit: save the model on rank 0 after fit returns")
+    assert said["load_state_before_fit"].startswith(
+        "this Adam is not built yet, so it has no place for saved state, which would be lost")
+    assert said["export_before_fit"].startswith(
+        "model.export at zero_stage 3 exports the whole weights kept at the end of fit")
+    assert said["tf_saved_model_save"].startswith(
+        "a SavedModel of a zero_stage 3 model needs its whole weights")
+    assert said["load_another_optimizers_state"].startswith(
+        "the saved optimizer state has 1 variables, where this Adam built on these weights "
+        "has 6")
+
+
 @pytest.mark.parametrize("case", sorted(REFUSALS))
+@pytest.mark.refuses
 def test_stage_3_refuses_what_it_cannot_do_yet_with_one_line(two, tmp_path, case):
-    # One rank (no mpirun): each refusal comes before any step.
+    # One rank (no mpirun): each refusal comes before any step. The checkpoints are the
+    # 2-rank runs' at stage 3 (sliced) and 2 (sharded), and one rank's at stage 0 (whole).
     shutil.copytree(two / "s3_2_to_3_checkpoints", tmp_path / "sliced")
+    shutil.copytree(two / "s2_2_to_3_checkpoints", tmp_path / "sharded")
+    if case == "whole_state_at_stage_2":
+        made = run_command([sys.executable, SCRIPT, str(tmp_path / "whole_run"), "--stage=0",
+                            "--epochs=1", f"--checkpoint_dir={tmp_path}/whole"], cwd=tmp_path)
+        assert made.returncode == 0, made.stderr[-2000:]
     arguments, expected = REFUSALS[case]
     result = run_command([sys.executable, SCRIPT, str(tmp_path / "out"), "--stage=3",
                           *[argument.format(tmp=tmp_path) for argument in arguments]],
                          cwd=tmp_path)
     assert result.returncode != 0
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("tfdist.errors.ConfigError: " + expected), last
+    # The error's line; TensorFlow may warn after it, at exit, about what it left unrestored.
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tfdist.errors.")]
+    assert errors, result.stderr[-3000:]
+    assert errors[-1].startswith("tfdist.errors.ConfigError: "), errors[-1]
+    assert expected.format(tmp=tmp_path) in errors[-1], errors[-1]
     if case == "sliced_weights_at_stage_1":
-        assert SLICED in last, last
+        assert SLICED in errors[-1], errors[-1]

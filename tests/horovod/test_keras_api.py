@@ -206,20 +206,36 @@ def test_what_cannot_work_is_refused_in_one_line(call, message, hvd):
     assert "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("callback, message", [
+SCHEDULE = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+
+
+@pytest.mark.parametrize("callback, optimizer, message", [
     (lambda hvd: hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2),
-     "momentum correction cannot work on Keras 3"),
-    (lambda hvd: hvd.callbacks.BestModelCheckpoint(), "BestModelCheckpoint has no filepath"),
+     lambda: keras.optimizers.SGD(0.1, momentum=0.9), "momentum correction cannot work on Keras 3"),
+    (lambda hvd: hvd.callbacks.BestModelCheckpoint(),
+     lambda: keras.optimizers.SGD(0.1, momentum=0.9), "BestModelCheckpoint has no filepath"),
+    (lambda hvd: hvd.callbacks.LearningRateScheduleCallback(0.1, 0.5, momentum_correction=False),
+     lambda: keras.optimizers.SGD(SCHEDULE),
+     "LearningRateScheduleCallback sets the learning rate, but this optimizer follows a "
+     "schedule"),
+    # A dataset of unknown length: fit cannot tell the callback its steps per epoch.
+    (lambda hvd: hvd.callbacks.LearningRateScheduleCallback(0.1, 0.5, staircase=False,
+                                                            momentum_correction=False),
+     lambda: keras.optimizers.SGD(0.1),
+     "LearningRateScheduleCallback could not tell the number of steps per epoch"),
 ])
-def test_callbacks_refuse_at_fit_in_one_line(callback, message, hvd):
+def test_callbacks_refuse_at_fit_in_one_line(callback, optimizer, message, hvd):
+    import tensorflow as tf
+
     from tfdist import ConfigError
 
     model = reference.make_model()
-    model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
-                  "sparse_categorical_crossentropy")
+    model.compile(hvd.DistributedOptimizer(optimizer()), "sparse_categorical_crossentropy")
     features, labels = reference.examples(32)
+    unknown_length = tf.data.Dataset.from_tensor_slices((features, labels)).filter(
+        lambda *example: True).batch(16)
     with pytest.raises(ConfigError, match=message) as raised:
-        model.fit(features, labels, batch_size=16, verbose=0, callbacks=[callback(hvd)])
+        model.fit(unknown_length, verbose=0, callbacks=[callback(hvd)])
     assert "\n" not in str(raised.value)
 
 

@@ -5,6 +5,9 @@ Only where `TFDIST_TEST_COSTS` names a file: at its exit, a process appends one 
 there, with the test that started it (pytest's `PYTEST_CURRENT_TEST`, which children
 inherit) and whether it had imported TensorFlow. A process killed by SIGKILL writes
 nothing, so the count is a floor. The end-of-run cost summary reads the lines.
+
+Where `COVERAGE_PROCESS_START` names coverage.py's config (`make refusals`), it also starts
+coverage.py in the process.
 """
 
 import os
@@ -27,3 +30,13 @@ if os.environ.get("TFDIST_TEST_COSTS"):
             os.close(descriptor)
 
     atexit.register(_record)
+
+# `make refusals`: coverage.py in every process the tests start, as `coverage run` is in the
+# test process (the config is the file COVERAGE_PROCESS_START names; tests/refusals.py).
+if os.environ.get("COVERAGE_PROCESS_START"):
+    try:
+        import coverage
+    except ImportError:  # an interpreter outside .venv (a test's other Python)
+        pass
+    else:
+        coverage.process_startup()

@@ -2,6 +2,7 @@
 
 import logging as python_logging
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -115,3 +116,38 @@ def test_position_describes_itself_for_people():
     assert position.describe() == "epoch 2, step 5 (step 17 in all)"
     position.move_to(2, 0, 24)
     assert position.describe() == "the end of epoch 2 (step 24 in all)"
+
+
+def test_a_checkpoint_of_a_newer_format_is_one_line(tmp_path, monkeypatch):
+    # In this process: a checkpoint whose format number is above this tfdist's, as a newer
+    # tfdist would write it, is refused before any of its state is used.
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+    # The reader (backup) binds the format number it reads up to at its import, before the
+    # writer's is raised below.
+    from tfdist.resume import backup, checkpointing
+
+    def fit(epochs):
+        runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device"}))
+        data = runner.dataset(tf.data.Dataset.from_tensor_slices(
+            (np.zeros((16, 3), "float32"), np.zeros((16,), "float32"))), 8)
+        with runner.scope():
+            # Named: a restarted program's model has the names the saved one had.
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="out")],
+                                     name="model")
+            model.compile(runner.optimizer("sgd"), "mse")
+        model.fit(data, epochs=epochs, verbose=0,
+                  callbacks=runner.callbacks(checkpoint_dir=tmp_path))
+
+    with monkeypatch.context() as newer:
+        newer.setattr(checkpointing, "FORMAT_VERSION", checkpointing.FORMAT_VERSION + 1)
+        fit(1)
+    assert backup.FORMAT_VERSION == checkpointing.FORMAT_VERSION
+    with pytest.raises(tfdist.ConfigError) as raised:
+        fit(2)
+    assert str(raised.value).startswith(
+        f"checkpoint {tmp_path / 'ckpt-2'} was written by a newer tfdist (format "
+        f"{checkpointing.FORMAT_VERSION + 1}, this one reads up to "
+        f"{checkpointing.FORMAT_VERSION}); upgrade tfdist to resume it")

@@ -148,6 +148,7 @@ def test_every_checkpoint_unreadable_stops_with_one_line(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.refuses
 def test_the_cli_resumes_without_the_state_file_and_stops_with_exit_2_on_none(tmp_path):
     def cli(*args):
         return run_command([sys.executable, "-m", "tfdist.app.cli", "train",

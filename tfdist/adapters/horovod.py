@@ -121,6 +121,7 @@ class HorovodAdapter(Adapter):
         local_rank, local_size = self.hvd.local_rank(), self.hvd.local_size()
         if local_size * per_rank > len(gpus):
             each = "GPU" if per_rank == 1 else f"{per_rank} GPUs (model_parallel.devices)"
+            # Reached only with GPUs (more ranks on a machine than it has).
             raise ConfigError(f"strategy horovod runs one rank per {each}, but this machine "
                               f"has {len(gpus)} GPU(s) and {local_size} ranks; start at most "
                               f"{len(gpus) // per_rank} ranks per machine (mpirun -np / -H "
@@ -131,6 +132,7 @@ class HorovodAdapter(Adapter):
             tf.config.set_visible_devices(
                 gpus[local_rank * per_rank:(local_rank + 1) * per_rank], "GPU")
         except RuntimeError:
+            # Reached only with GPUs (TensorFlow running before the Runner).
             raise ConfigError("strategy horovod pins each rank to its GPU before TensorFlow "
                               "starts; create the Runner first in your program. "
                               "Received: TensorFlow already running") from None

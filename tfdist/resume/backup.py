@@ -261,7 +261,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _check_weights_whole_or_sliced(self) -> None:
         """Refuses, before reading it, a checkpoint whose weights are slices (zero_stage 3)
         at stage 0 or 1: its weights would not fit the whole variables (stage 2 takes
-        them whole from the shard files, `ReduceScatteredWeight`)."""
+        them whole from the shard files, `ReduceScatteredWeight`); and, at stage 0, one
+        whose optimizer state is sharded, before the restore reports only that its
+        objects do not match."""
         stage = getattr(self._sharded, "zero_stage", 0)
         saved = sharded_state.numbers(self.directory)
         if stage >= 2 or not saved:
@@ -276,16 +278,21 @@ class BackupAndRestore(keras.callbacks.Callback):
                               f"as slices (saved with zero_stage 3); resume it with "
                               f"zero_stage 2 or 3. Received: checkpoint_dir={self.directory!r}, "
                               f"zero_stage={stage}")
+        newest = self._store.candidates()[:1]
+        if self._sharded is None and newest and checkpoint_number(newest[0]) == max(saved):
+            self._refuse_sharded_state(max(saved))
+
+    def _refuse_sharded_state(self, number: int) -> None:
+        raise ConfigError(f"checkpoint {number} in {self.directory} holds sharded optimizer "
+                          f"state (saved with zero_stage 1 or 2), which zero_stage 0 would "
+                          f"leave unrestored; resume it with zero_stage 1 or 2. Received: "
+                          f"checkpoint_dir={self.directory!r}")
 
     def _restore_shards(self, number: int) -> None:
         """Each rank's partition of the optimizer state, from every rank's shard files."""
         if self._sharded is None:
             if number in sharded_state.numbers(self.directory):
-                raise ConfigError(f"checkpoint {number} in {self.directory} holds sharded "
-                                  f"optimizer state (saved with zero_stage 1 or 2), which "
-                                  f"zero_stage 0 would leave unrestored; resume it with "
-                                  f"zero_stage 1 or 2. Received: checkpoint_dir="
-                                  f"{self.directory!r}")
+                self._refuse_sharded_state(number)  # An older checkpoint, fallen back to.
             return
         with sharded_state.ShardReader(self.directory, number) as reader:
             self._sharded.load_shard_state(reader.read,

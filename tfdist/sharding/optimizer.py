@@ -239,8 +239,16 @@ class _ShardedMixin:
         optimizer lists it (a `.keras` or `.weights.h5` file's, or a trained optimizer's).
 
         Raises:
-            ConfigError: the store lists another number of variables.
+            ConfigError: not built yet, or the store lists another number of variables.
         """
+        if not self.built:
+            # Plain Keras warns and skips the state here; a sharded optimizer would fail
+            # on its missing layout. Either way the saved state would be lost.
+            raise ConfigError(f"this {type(self).__name__} is not built yet, so it has no "
+                              f"place for saved state, which would be lost: resume from a "
+                              f"checkpoint (runner.callbacks(checkpoint_dir=...)), which "
+                              f"restores the state once fit has built the optimizer. "
+                              f"Received: {len(store.keys())} saved variables")
         plain = self._shard.plain
         if len(store.keys()) != len(plain):
             raise ConfigError(f"the saved optimizer state has {len(store.keys())} variables, "
