@@ -278,9 +278,10 @@ class BackupAndRestore(keras.callbacks.Callback):
                               f"as slices (saved with zero_stage 3); resume it with "
                               f"zero_stage 2 or 3. Received: checkpoint_dir={self.directory!r}, "
                               f"zero_stage={stage}")
-        newest = self._store.candidates()[:1]
-        if self._sharded is None and newest and checkpoint_number(newest[0]) == max(saved):
-            self._refuse_sharded_state(max(saved))
+        if self._sharded is None:  # At stage 1 the shard files are this run's own kind.
+            newest = self._store.candidates()[:1]
+            if newest and checkpoint_number(newest[0]) == max(saved):
+                self._refuse_sharded_state(max(saved))
 
     def _refuse_sharded_state(self, number: int) -> None:
         raise ConfigError(f"checkpoint {number} in {self.directory} holds sharded optimizer "
