@@ -133,7 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="alternations (samples)")
     parser.add_argument("--model", default="ResNet50",
-                        help="a keras.applications model (MobileNetV2: quick, to check the code)")
+                        help="a keras.applications model (MobileNet: quick, to check the code)")
     parser.add_argument("--batch", type=int, default=8, help="images per rank and step")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
     parser.add_argument("--role", choices=("rank",), help=argparse.SUPPRESS)

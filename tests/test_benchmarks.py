@@ -19,7 +19,7 @@ pytestmark = pytest.mark.xdist_group("benchmarks")
 needs_horovod = [pytest.mark.requires_mpi, pytest.mark.requires_horovod]
 QUICK_SYNC_COST = ["--repeats", "1", "--models", "0.1", "--fit_mb", "0.03125", "--fit_mb", "0.25",
                    "--packed_mb", "0.5"]
-QUICK_PRECISION = ["--rounds", "2", "--steps", "2"]
+QUICK_PRECISION = ["--rounds", "2", "--steps", "2", "--batch", "64", "--matmul_size", "512"]
 
 
 # A hang bound, not a timing: custom_loop.py's smoke run took over 240 s once, beside the
@@ -83,7 +83,7 @@ def check_figures(figures, keys):
                  {"horovod_buckets_over_grouped", "multi_worker_packed_over_one_pack"},
                  marks=needs_horovod),
     pytest.param("custom_loop.py",
-                 ["--model", "MobileNetV2", "--batch", "2", "--steps", "1", "--rounds", "1"],
+                 ["--model", "MobileNet", "--batch", "2", "--steps", "1", "--rounds", "1"],
                  {"fit_over_custom_loop", "custom_loop_images_per_sec", "fit_images_per_sec",
                   "loop_median", "fit_median"}, marks=needs_horovod),
     pytest.param("accumulation.py",

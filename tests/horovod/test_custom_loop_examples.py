@@ -140,7 +140,7 @@ def test_horovods_tf2_synthetic_benchmark_example_reports_images_per_second(tmp_
     script = tmp_path / "tensorflow2_synthetic_benchmark.py"
     script.write_text(changed((PORTED / "tensorflow2_synthetic_benchmark.py").read_text(),
                               BENCHMARK_CHANGES))
-    outputs = run_ranks(tmp_path, script, 2, "--no-cuda", "--model=MobileNetV2",
+    outputs = run_ranks(tmp_path, script, 2, "--no-cuda", "--model=MobileNet",
                         "--batch-size=4", "--num-warmup-batches=1",
                         "--num-batches-per-iter=2", "--num-iters=2")
     total = re.search(r"Total img/sec on 2 CPU\(s\): ([0-9.]+) \+-", outputs[0])

@@ -47,7 +47,7 @@ def test_keras_mnist_example_trains(launcher, tmp_path):
 @pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
 def test_synthetic_benchmark_example_reports_images_per_second(launcher, tmp_path):
     outputs = run_example(launcher, tmp_path, "tensorflow2_keras_synthetic_benchmark.py",
-                          "--no-cuda", "--model=MobileNetV2", "--image-size=32",
+                          "--no-cuda", "--model=MobileNet", "--image-size=32",
                           "--num-classes=10", "--batch-size=8", "--num-batches-per-iter=2",
                           "--num-iters=3")
     summary = last_json_line(outputs["rank0.txt"])
