@@ -158,3 +158,103 @@ def test_shard_files_are_read_back_by_any_split_and_closed(tmp_path):
     with pytest.raises(tfdist.ConfigError, match="lacks the shard files of some ranks"):
         (tmp_path / "shards" / "ckpt-4.rank1-of-2.npz").unlink()
         sharded_state.ShardReader(str(tmp_path), 4)
+
+
+# --- each stage's code in one process, on a one-rank communicator ------------------------
+
+# Optimizers whose update sees every factor of the gradient (SGD with momentum), and one
+# with clipping, weight decay and Adam's state; the AdamW clips each variable by its norm.
+ONE_RANK_OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adamw_clipped": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1, clipnorm=0.05),
+}
+
+
+def train_on_one_rank(stage, optimizer_name, epochs=2):
+    """`epochs` epochs of the reference model (an Embedding among its layers) on one rank;
+    stage 0 is plain Keras."""
+    from contextlib import nullcontext
+
+    from tfdist.sharding import OneRankCollectives, sharded_creation, sharded_optimizer
+
+    keras.backend.clear_session()
+    collectives = OneRankCollectives()
+    with sharded_creation(collectives) if stage == 3 else nullcontext():
+        model = reference.make_model(embedding=True)
+    model.set_weights(reference.initial_weights(embedding=True))
+    optimizer = ONE_RANK_OPTIMIZERS[optimizer_name]()
+    if stage:
+        optimizer = sharded_optimizer(optimizer, collectives, stage)
+    model.compile(optimizer, "sparse_categorical_crossentropy")
+    optimizer.build(model.trainable_variables)  # as the horovod adapter does before a fit
+    data = tf.data.Dataset.from_tensor_slices(reference.examples(96, embedding=True))
+    model.fit(data.batch(32), epochs=epochs, verbose=0, shuffle=False)
+    return model, optimizer
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs():
+    from tfdist import patches
+
+    # The exact update of one device, as every adapter applies it: plain Keras clips a
+    # sparse gradient (the Embedding's) by the norm of its rows before repeated rows are
+    # summed, a different update from the same gradient made dense.
+    applied = patches.apply(patches.EXACT_UPDATES)
+    runs = {}
+
+    def get(stage, optimizer_name):
+        if (stage, optimizer_name) not in runs:
+            model, optimizer = train_on_one_rank(stage, optimizer_name)
+            saved = {}
+            optimizer.save_own_variables(saved)  # what a `.keras` file holds
+            runs[stage, optimizer_name] = (model.get_weights(), saved, optimizer)
+        return runs[stage, optimizer_name]
+
+    yield get
+    patches.undo([patch for patch in patches.EXACT_UPDATES if patch.name in applied])
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(ONE_RANK_OPTIMIZERS))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_stage_on_one_rank_equals_plain_keras(one_rank_runs, stage, optimizer_name):
+    weights, saved, optimizer = one_rank_runs(stage, optimizer_name)
+    plain_weights, plain_saved, _ = one_rank_runs(0, optimizer_name)
+    users_class = type(ONE_RANK_OPTIMIZERS[optimizer_name]())
+    assert isinstance(optimizer, users_class)
+    assert optimizer.__class__.__name__ == users_class.__name__  # saved as the user's class
+    assert optimizer.zero_stage == stage and int(optimizer.iterations.numpy()) == 6
+    assert reference.largest_difference(weights, plain_weights) < 1e-6
+    # The state it saves is plain Keras's, in plain Keras's order.
+    assert sorted(saved) == sorted(plain_saved)
+    assert reference.largest_difference([saved[k] for k in sorted(saved)],
+                                        [plain_saved[k] for k in sorted(saved)]) < 1e-6
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_stage_reads_back_the_state_it_wrote_to_its_shard_file(one_rank_runs, stage):
+    from tfdist.sharding import WEIGHT
+
+    _, _, trained = one_rank_runs(stage, "adamw_clipped")
+    parts = {(part.variable, part.slot): part.values for part in trained.shard_state()}
+    assert (WEIGHT in {name for _, name in parts}) == (stage == 3)  # stage 3: its slices
+    _, fresh = train_on_one_rank(stage, "adamw_clipped", epochs=1)  # another state
+    before = {(part.variable, part.slot): part.values for part in fresh.shard_state()}
+    assert sorted(before) == sorted(parts)
+    assert all(not np.allclose(before[key], parts[key]) for key in parts)
+    fresh.load_shard_state(lambda variable, name, start, stop:
+                           parts[(variable, name)][start:stop], weights=stage == 3)
+    again = {(part.variable, part.slot): part.values for part in fresh.shard_state()}
+    assert sorted(again) == sorted(parts)
+    assert all(np.array_equal(again[key], parts[key]) for key in parts)
+
+
+def test_stage_2_takes_the_weights_from_a_stage_3_shard_file(one_rank_runs):
+    # A stage-3 run resumed at stage 2: the weights are in the shard files, not whole in
+    # the checkpoint, and stage 2 sets its whole variables from them.
+    weights, _, trained = one_rank_runs(3, "adamw_clipped")
+    parts = {(part.variable, part.slot): part.values for part in trained.shard_state()}
+    model, fresh = train_on_one_rank(2, "adamw_clipped", epochs=1)
+    assert reference.largest_difference(model.get_weights(), weights) > 1e-3
+    fresh.load_shard_state(lambda variable, name, start, stop:
+                           parts[(variable, name)][start:stop], weights=True)
+    assert reference.largest_difference(model.get_weights(), weights) == 0.0

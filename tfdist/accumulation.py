@@ -22,7 +22,6 @@ import keras
 import tensorflow as tf
 
 from tfdist.optimizers import WrappingOptimizer
-from tfdist.sharding.weights import gradient_shape
 
 
 class GradientAccumulator:
@@ -57,7 +56,8 @@ class GradientAccumulator:
         self.micro_batches: Any = None
         self.cycle_skipped: Any = None
 
-    def build(self, var_list: Sequence[Any], make_variable: Callable[..., Any]) -> None:
+    def build(self, var_list: Sequence[Any], make_variable: Callable[..., Any],
+              gradient_shape: Callable[[Any], Any] | None = None) -> None:
         """Creates one accumulator per variable, and the cycle's counters.
 
         Args:
@@ -65,9 +65,12 @@ class GradientAccumulator:
             make_variable: `make_variable(shape, dtype, aggregation, name)` returns a
                 replica-local (`synchronization="on_read"`) variable; the owner decides
                 whether it is one of its tracked (saved) variables.
+            gradient_shape: The shape of a variable's gradient as `add` receives it (a
+                ZeRO stage's slice, say); default the variable's own.
         """
+        shape_of = gradient_shape or (lambda variable: variable.shape)
         self.accumulators = [
-            make_variable(gradient_shape(variable), "float32", "sum",
+            make_variable(shape_of(variable), "float32", "sum",
                           f"{getattr(variable, 'path', variable.name)}_accumulated"
                           .replace("/", "_").replace(":", "_"))
             for variable in var_list]
@@ -182,7 +185,7 @@ class AccumulatingOptimizer(WrappingOptimizer):
     def build(self, var_list: Sequence[Any]) -> None:
         super().build(var_list)
         with keras.name_scope(self.name, caller=self):
-            self._accumulator.build(var_list, self._replica_local)
+            self._accumulator.build(var_list, self._replica_local, self.gradient_shape)
 
     def _replica_local(self, shape: Any, dtype: str, aggregation: str, name: str) -> Any:
         variable = keras.Variable(initializer="zeros", shape=shape, dtype=dtype,

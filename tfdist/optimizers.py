@@ -191,6 +191,12 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
     def scale_loss(self, loss: Any) -> Any:
         return self.inner_optimizer.scale_loss(loss)
 
+    def gradient_shape(self, variable: Any) -> Any:
+        """The shape of `variable`'s gradient as `apply` receives it: the inner optimizer's
+        (a ZeRO stage's slice of it), or the variable's own."""
+        inner = getattr(self.inner_optimizer, "gradient_shape", None)
+        return variable.shape if inner is None else inner(variable)
+
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 

@@ -36,7 +36,7 @@ Example:
     model.compile(optimizer, "mse")    # each rank holds 1/N of Adam's moments
 """
 
-from tfdist.sharding.collectives import ShardCollectives
+from tfdist.sharding.collectives import OneRankCollectives, ShardCollectives
 from tfdist.sharding.layout import Piece, ShardLayout
 from tfdist.sharding.optimizer import (ELEMENT_WISE, WEIGHT, check_stage, find_sharded,
                                        sharded_optimizer)
@@ -44,7 +44,7 @@ from tfdist.sharding.state import Other, ShardPart, Slot, plain_order, state_byt
 from tfdist.sharding.weights import (ReduceScatteredWeight, ShardedWeight, is_sharded,
                                      sharded_creation, stored_variable)
 
-__all__ = ["ELEMENT_WISE", "Other", "Piece", "ShardCollectives", "ShardLayout", "ShardPart",
-           "ReduceScatteredWeight", "ShardedWeight", "Slot", "WEIGHT", "check_stage",
-           "find_sharded", "is_sharded", "plain_order", "sharded_creation", "sharded_optimizer",
-           "state_bytes", "stored_variable"]
+__all__ = ["ELEMENT_WISE", "OneRankCollectives", "Other", "Piece", "ReduceScatteredWeight",
+           "ShardCollectives", "ShardLayout", "ShardPart", "ShardedWeight", "Slot", "WEIGHT",
+           "check_stage", "find_sharded", "is_sharded", "plain_order", "sharded_creation",
+           "sharded_optimizer", "state_bytes", "stored_variable"]

@@ -66,3 +66,39 @@ class ShardCollectives:
     def before_update(self) -> None:
         """Called once per update, in the step, before the optimizer updates (zero_stage 2
         and 3: the gradients were reduced in the backward pass already)."""
+
+
+class OneRankCollectives(ShardCollectives):
+    """The communicator of a run of one rank: every collective gives back what it is given.
+
+    The sharding code runs whole in one process with it: each stage builds, updates,
+    gathers and saves as on N ranks, with N = 1, and must equal plain Keras exactly. The
+    sharding's fast tests use it; a one-process run of a ZeRO configuration can too.
+
+    Example:
+
+        optimizer = sharded_optimizer(keras.optimizers.Adam(1e-3), OneRankCollectives(), 2)
+    """
+
+    rank, size = 0, 1
+
+    def average(self, grads: list[Any]) -> list[Any]:
+        return list(grads)
+
+    def concatenate(self, flat: tf.Tensor) -> tf.Tensor:
+        return tf.identity(flat)
+
+    def sum(self, values: tf.Tensor) -> tf.Tensor:
+        return tf.identity(values)
+
+    def gather(self, flat: tf.Tensor, name: str) -> tf.Tensor:
+        return tf.identity(flat, name=name)
+
+    def reduce_scatter(self, flat: tf.Tensor, name: str) -> tf.Tensor:
+        return tf.identity(flat, name=name)
+
+    def broadcast(self, value: tf.Tensor, name: str) -> tf.Tensor:
+        return tf.identity(value, name=name)
+
+    def before_update(self) -> None:
+        pass

@@ -27,7 +27,7 @@ from tfdist.patches.keras_optimizer import sum_repeated_rows
 from tfdist.sharding.layout import Piece, ShardLayout
 from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order
-from tfdist.sharding.weights import is_sharded, reduce_scattered
+from tfdist.sharding.weights import gradient_shape, is_sharded, reduce_scattered
 
 # The name of the weights' slices in a rank's shard file (`shard_state`, zero_stage 3).
 WEIGHT = "tfdist_weight"
@@ -69,10 +69,17 @@ class _Shard:
 
 
 class _ShardedMixin:
-    """Sharding, placed before the user's optimizer class in a subclass of it."""
+    """Sharding, placed before the user's optimizer class in a subclass of it.
+
+    What every stage does alike is here; what differs is in one subclass per stage
+    (`STAGES`), each overriding the few methods that say how that stage stores, updates
+    and gathers.
+    """
 
     _collectives: ShardCollectives
-    zero_stage: int
+    zero_stage: int  # The stage's number, for messages and the layout.
+    # Updates slices of variables apart, as only an element-wise optimizer can.
+    updates_slices: bool
     reduce_in_backward: bool
 
     def build(self, var_list: Sequence[Any]) -> None:
@@ -83,34 +90,14 @@ class _ShardedMixin:
                               f"this model trains {', '.join(dtypes)} variables; use one "
                               f"variable dtype (a mixed_* policy keeps them float32), or "
                               f"zero_stage 0. Received: {dtypes}")
-        if self.zero_stage == 3:
-            _check_stored_sharded(variables)
+        self._check_storage(variables)
         layout = ShardLayout([int(np.prod(v.shape)) for v in variables],
                              self._collectives.size, self.zero_stage)
         # A plain object: the optimizer's attribute tracking would list the variables in it
         # (the model's among them) as the optimizer's own.
         self._shard = _Shard(variables, layout, layout.pieces(self._collectives.rank))
         with tf.init_scope():
-            if self.zero_stage == 3:
-                # Each variable's stored slice itself, under its name (weight decay's
-                # exclusions go by name), updated in place.
-                self._shard.targets = [keras.Variable(v._value.shard, name=v.name,
-                                                      trainable=True) for v in variables]
-                for variable in variables:
-                    variable._value.version = self._step
-            elif self.zero_stage == 2:
-                # The weights stay whole; their gradients come reduce-scattered from the
-                # backward pass (or, without `reduce_in_backward`, here, after it). This
-                # rank's slice of each is updated in a copy, refreshed from the weight
-                # before every update (the weight stays the truth: a broadcast or a
-                # restore changes it under the optimizer).
-                reduce_scattered(variables, self._collectives, self.reduce_in_backward)
-                self._shard.targets = [
-                    keras.Variable(variable._value.slice_of(variable.value), name=variable.name,
-                                   trainable=True) for variable in variables]
-            else:
-                # Stage 1: each owned variable whole, updated in place.
-                self._shard.targets = [variables[piece.variable] for piece in self._shard.owned]
+            self._shard.targets = self._make_targets(variables)
         excluded = [target for piece, target in zip(self._shard.owned, self._shard.targets)
                     if not piece.whole and not self._use_weight_decay(variables[piece.variable])]
         if excluded and getattr(self, "weight_decay", None) is not None:
@@ -122,7 +109,8 @@ class _ShardedMixin:
             super().build(self._shard.targets)
         finally:
             self._shard.recording = False
-        self._shard.plain = plain_order(type(self).__mro__[2], self.get_config(), len(variables))
+        self._shard.plain = plain_order(_users_class(type(self)), self.get_config(),
+                                        len(variables))
         self._shard.slot_names = list(dict.fromkeys(entry.name for entry in self._shard.plain
                                                     if isinstance(entry, Slot)))
         if getattr(self, "_shard_trained_state", None) is not None:
@@ -139,6 +127,11 @@ class _ShardedMixin:
                          if target is reference_variable)
             self._shard.slots[(index, name or "var")] = variable
         return variable
+
+    def gradient_shape(self, variable: Any) -> tf.TensorShape:
+        """The shape of `variable`'s gradient as `apply` receives it: this rank's slice
+        where the backward pass reduce-scatters it."""
+        return gradient_shape(variable)
 
     @property
     def sharded_variables(self) -> list[Any]:
@@ -167,28 +160,11 @@ class _ShardedMixin:
                 self.build(trainable_variables)
             self.built = True
             self._shard.whole_gradients_once = True
-        grads = list(grads)
-        if self.zero_stage == 3:
-            # The slices are the weights: updated in place, nothing to gather after.
-            super().apply(self._sliced_gradients(grads), self._shard.targets)
-            return
-        if self.zero_stage == 1:
-            mine = self._stage1_gradients(grads)
-            if self._shard.owned:
-                super().apply(mine, self._shard.targets)
-            else:
-                self.iterations.assign_add(1)
-            self._gather_weights()
-            return
-        if self._shard.whole_gradients_once or not self.reduce_in_backward:
-            self._shard.whole_gradients_once = False
-            grads = [None if grad is None else variable._value.reduce_scatter_gradient(grad)
-                     for grad, variable in zip(grads, self._shard.variables)]
-        mine = self._sliced_gradients(grads)
-        for variable, target in zip(self._shard.variables, self._shard.targets):
-            target.assign(variable._value.slice_of(variable.value))
-        super().apply(mine, self._shard.targets)
-        self._gather_weights()
+        self._update(list(grads))
+
+    def _update_targets(self, grads: list[Any]) -> None:
+        """The user's optimizer's own update, of this rank's targets."""
+        super().apply(grads, self._shard.targets)
 
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
         """At the end of `fit` (every rank): EMA weights if asked, and the whole state to
@@ -198,16 +174,8 @@ class _ShardedMixin:
         if getattr(self, "use_ema", False):
             if self._shard.owned:
                 self._overwrite_model_variables_with_average_value(self._shard.targets)
-            if self.zero_stage != 3:
-                self._gather_weights()
-        if self.zero_stage == 3:
-            # `model.save()` and `get_weights()` on the chief alone read the whole weights:
-            # each rank keeps them as of this step, in host memory, until the next update.
-            step = self._step()
-            for variable in self._shard.variables:
-                weight = variable._value
-                with tf.device("/cpu:0"):
-                    weight.saved = (step, weight.read_value().numpy())
+            self._gather_weights()
+        self._keep_whole_weights()
         # `model.save()` runs on the chief alone, where no collective can: the chief keeps
         # the whole state as of the end of this fit, in host memory (the others drop it).
         chief = self._collectives.rank == 0
@@ -267,6 +235,112 @@ class _ShardedMixin:
         self.load_shard_state(lambda variable, name, start, stop:
                               slots[(variable, name)][start:stop])
 
+    def _step(self) -> int:
+        return int(self.iterations.numpy())
+
+    def _global_scale(self, sum_of_squares: tf.Tensor) -> tf.Tensor:
+        """Keras's `clip_by_global_norm` factor (NaN when the norm is not finite)."""
+        norm = tf.sqrt(sum_of_squares)
+        clip = tf.cast(self.global_clipnorm, norm.dtype)
+        return clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+
+    # --- what each stage does its own way (one subclass per stage below) --------------
+
+    def _check_storage(self, variables: list[Any]) -> None:
+        """Raises ConfigError where the model's variables are not stored as this stage needs."""
+
+    def _make_targets(self, variables: list[Any]) -> list[Any]:
+        """What the update writes, one variable per owned piece (in `tf.init_scope`)."""
+        raise NotImplementedError
+
+    def _update(self, grads: list[Any]) -> None:
+        """One update from the step's gradients (one per variable, or None)."""
+        raise NotImplementedError
+
+    def _gather_weights(self) -> None:
+        """Every rank's updated elements into every rank's variables (none at stage 3)."""
+
+    def _keep_whole_weights(self) -> None:
+        """At the end of a fit: what `model.save()` on the chief alone needs of the weights."""
+
+    def _weight_parts(self) -> list[ShardPart]:
+        """The weights' parts of this rank's shard file (at stage 3: its slices)."""
+        return []
+
+    def _load_weights(self, read: Any) -> list[tuple[Any, int, str]]:
+        """Sets the weights saved in the shard files; returns those it leaves to be set
+        like slots, as (variable, piece index, name)."""
+        return []
+
+    def gather_full_state(self, keep: bool = True) -> dict[tuple[int, str], np.ndarray]:
+        """Every slot of every variable, whole (a collective: every rank calls it).
+
+        In host memory (the CPU), so a rank holds at most one whole slot beyond its
+        partition while it runs.
+
+        Args:
+            keep: Return what was gathered; False: take part only (an empty dict).
+        """
+        raise NotImplementedError
+
+    # --- the whole state, and a rank's part of it -------------------------------------
+
+    def shard_state(self) -> list[ShardPart]:
+        """This rank's state: a `ShardPart` for each slot of each owned piece."""
+        # At stage 3 a slot is padded beyond its piece; the padding is not state.
+        parts = [ShardPart(piece.variable, name, piece.start, piece.stop,
+                           np.reshape(self._shard.slots[(i, name)].numpy(),
+                                      [-1])[:piece.stop - piece.start])
+                 for i, piece in enumerate(self._shard.owned) for name in self._shard.slot_names
+                 if (i, name) in self._shard.slots]
+        return parts + self._weight_parts()
+
+    def load_shard_state(self, read: Any, weights: bool = False) -> None:
+        """Sets each owned slot from `read(variable, name, start, stop)` (flat values).
+
+        Args:
+            read: Reads elements [start, stop) of slot `name` of variable `variable`.
+            weights: The files hold the weights too (saved at stage 3, where the chief's
+                checkpoint has only its slice of each): set them. Saved at stage 1 or 2,
+                the checkpoint had them whole.
+        """
+        owned = [(slot, i, name) for (i, name), slot in self._shard.slots.items()]
+        if weights:
+            owned += self._load_weights(read)
+        for slot, i, name in owned:
+            piece = self._shard.owned[i]
+            values = np.reshape(read(piece.variable, name, piece.start, piece.stop), [-1])
+            padding = int(np.prod(slot.shape)) - values.size
+            slot.assign(np.reshape(np.pad(values, (0, padding)), slot.shape))
+
+    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict[str, Any]:
+        # The chief writes the checkpoint: only what every rank holds alike (the step, the
+        # learning rate) goes in it. The partitions go to each rank's own shard file
+        # (`tfdist.resume.sharded_state`).
+        children = super()._trackable_children(save_type, **kwargs)
+        sharded = {id(v) for v in self.sharded_variables}
+        return {name: child for name, child in children.items()
+                if isinstance(child, keras.Variable) and id(child) not in sharded}
+
+
+class _WholeVariables(_ShardedMixin):
+    """Stage 1: whole variables dealt out to the ranks; gradients averaged, each rank
+    updating the variables it owns in place and all-gathering them after."""
+
+    zero_stage = 1
+    updates_slices = False
+
+    def _make_targets(self, variables: list[Any]) -> list[Any]:
+        return [variables[piece.variable] for piece in self._shard.owned]
+
+    def _update(self, grads: list[Any]) -> None:
+        mine = self._stage1_gradients(grads)
+        if self._shard.owned:
+            self._update_targets(mine)
+        else:
+            self.iterations.assign_add(1)
+        self._gather_weights()
+
     def _stage1_gradients(self, grads: list[Any]) -> list[Any]:
         present = [i for i, grad in enumerate(grads) if grad is not None]
         averaged = self._collectives.average([grads[i] for i in present]) if present else []
@@ -288,46 +362,7 @@ class _ShardedMixin:
                 tf.reduce_sum(tf.cast(tf.reshape(part, [-1])[:1], tf.float32)) for part in parts]))
         return [grads[piece.variable] for piece in self._shard.owned]
 
-    def _sliced_gradients(self, grads: list[Any]) -> list[Any]:
-        """Each variable's slice of the averaged gradient (reduce-scattered in the backward
-        pass, `tfdist.sharding.weights`), clipped as one device clips the whole."""
-        self._collectives.before_update()
-        mine = [tf.zeros([width], variable.dtype) if grad is None else tf.convert_to_tensor(grad)
-                for grad, width, variable in zip(grads, self._shard.layout.widths,
-                                                 self._shard.variables)]
-        if not mine:
-            return mine
-        if getattr(self, "global_clipnorm", None):
-            scale = self._global_scale(self._collectives.sum(
-                tf.add_n([tf.reduce_sum(tf.square(g)) for g in mine])))
-            mine = [g * scale for g in mine]
-        if getattr(self, "clipnorm", None):
-            norms = tf.sqrt(self._collectives.sum(tf.stack([tf.reduce_sum(tf.square(g))
-                                                            for g in mine])))
-            mine = [g * self.clipnorm / tf.maximum(norms[i], self.clipnorm)
-                    for i, g in enumerate(mine)]
-        return mine
-
-    def _step(self) -> int:
-        return int(self.iterations.numpy())
-
-    def _global_scale(self, sum_of_squares: tf.Tensor) -> tf.Tensor:
-        """Keras's `clip_by_global_norm` factor (NaN when the norm is not finite)."""
-        norm = tf.sqrt(sum_of_squares)
-        clip = tf.cast(self.global_clipnorm, norm.dtype)
-        return clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
-
     def _gather_weights(self) -> None:
-        """Every rank's updated elements into every rank's variables."""
-        if self.zero_stage == 2:
-            # One variable at a time: the whole weights are never gathered at once.
-            for index, (variable, target) in enumerate(zip(self._shard.variables,
-                                                           self._shard.targets)):
-                gathered = self._collectives.gather(tf.convert_to_tensor(target),
-                                                    name=f"tfdist_zero2_weight_{index}")
-                variable.assign(tf.reshape(gathered[:self._shard.layout.sizes[index]],
-                                           variable.shape))
-            return
         gathered = self._collectives.concatenate(self._contribution(self._shard.targets))
         owned = {p.variable for p in self._shard.owned if p.whole}
         for index, variable in enumerate(self._shard.variables):
@@ -348,56 +383,7 @@ class _ShardedMixin:
         zeros = tf.fill([padding], tf.cast(self._shard.zero.read_value(), dtype))
         return tf.concat(flat + [zeros], 0)
 
-    # --- the whole state, and a rank's part of it -------------------------------------
-
-    def shard_state(self) -> list[ShardPart]:
-        """This rank's state: a `ShardPart` for each slot of each owned piece."""
-        # At stage 3 a slot is padded beyond its piece; the padding is not state.
-        parts = [ShardPart(piece.variable, name, piece.start, piece.stop,
-                           np.reshape(self._shard.slots[(i, name)].numpy(),
-                                      [-1])[:piece.stop - piece.start])
-                 for i, piece in enumerate(self._shard.owned) for name in self._shard.slot_names
-                 if (i, name) in self._shard.slots]
-        if self.zero_stage == 3:
-            # And the weights are this rank's slices: they go in the same file.
-            parts += [ShardPart(piece.variable, WEIGHT, piece.start, piece.stop,
-                                target.numpy()[:piece.stop - piece.start])
-                      for piece, target in zip(self._shard.owned, self._shard.targets)]
-        return parts
-
-    def load_shard_state(self, read: Any, weights: bool = False) -> None:
-        """Sets each owned slot from `read(variable, name, start, stop)` (flat values).
-
-        Args:
-            read: Reads elements [start, stop) of slot `name` of variable `variable`.
-            weights: The files hold the weights too (saved at stage 3, where the chief's
-                checkpoint has only its slice of each): set them. Saved at stage 1 or 2,
-                the checkpoint had them whole.
-        """
-        if self.zero_stage == 2 and weights:
-            for index, variable in enumerate(self._shard.variables):
-                size = self._shard.layout.sizes[index]
-                variable.assign(np.reshape(read(index, WEIGHT, 0, size), variable.shape))
-        owned = [(slot, i, name) for (i, name), slot in self._shard.slots.items()]
-        if self.zero_stage == 3 and weights:
-            owned += [(target, i, WEIGHT) for i, target in enumerate(self._shard.targets)]
-        for slot, i, name in owned:
-            piece = self._shard.owned[i]
-            values = np.reshape(read(piece.variable, name, piece.start, piece.stop), [-1])
-            padding = int(np.prod(slot.shape)) - values.size
-            slot.assign(np.reshape(np.pad(values, (0, padding)), slot.shape))
-
     def gather_full_state(self, keep: bool = True) -> dict[tuple[int, str], np.ndarray]:
-        """Every slot of every variable, whole (a collective: every rank calls it).
-
-        One slot name at a time, in host memory (the CPU), so a rank holds at most one
-        whole slot beyond its partition while it runs.
-
-        Args:
-            keep: Return what was gathered; False: take part only (an empty dict).
-        """
-        if self.zero_stage >= 2:
-            return self._gather_full_state_by_variable(keep)
         full = {}
         for name in self._shard.slot_names:
             values = [self._shard.slots[(i, name)] for i in range(len(self._shard.owned))]
@@ -410,8 +396,36 @@ class _ShardedMixin:
                 full[(index, name)] = gathered[where:where + size].reshape(variable.shape)
         return full
 
-    def _gather_full_state_by_variable(self, keep: bool) -> dict[tuple[int, str], np.ndarray]:
-        """Stages 2 and 3's `gather_full_state`: each slot of each variable gathered alone."""
+
+class _SlicedMixin(_ShardedMixin):
+    """Stages 2 and 3: an equal slice of each variable per rank, updated from this rank's
+    slice of the averaged gradient (reduce-scattered)."""
+
+    updates_slices = True
+
+    def _sliced_gradients(self, grads: list[Any]) -> list[Any]:
+        """Each variable's slice of the averaged gradient (reduce-scattered in the backward
+        pass, `tfdist.sharding.weights`), clipped as one device clips the whole."""
+        self._collectives.before_update()
+        mine = [tf.zeros([width], variable.dtype) if grad is None else tf.convert_to_tensor(grad)
+                for grad, width, variable in zip(grads, self._shard.layout.widths,
+                                                 self._shard.variables)]
+        if not mine:
+            return mine
+        if getattr(self, "global_clipnorm", None):
+            scale = self._global_scale(self._collectives.sum(
+                tf.add_n([tf.reduce_sum(tf.square(g)) for g in mine])))
+            mine = [g * scale for g in mine]
+        if getattr(self, "clipnorm", None):
+            norms = tf.sqrt(self._collectives.sum(tf.stack([tf.reduce_sum(tf.square(g))
+                                                            for g in mine])))
+            mine = [g * self.clipnorm / tf.maximum(norms[i], self.clipnorm)
+                    for i, g in enumerate(mine)]
+        return mine
+
+    def gather_full_state(self, keep: bool = True) -> dict[tuple[int, str], np.ndarray]:
+        # Each slot of each variable gathered alone: a rank never holds a whole slot of
+        # the model beyond its partition, only one variable's.
         full = {}
         for name in self._shard.slot_names:
             for index, variable in enumerate(self._shard.variables):
@@ -424,14 +438,91 @@ class _ShardedMixin:
                     full[(index, name)] = gathered[:size].reshape(variable.shape)
         return full
 
-    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict[str, Any]:
-        # The chief writes the checkpoint: only what every rank holds alike (the step, the
-        # learning rate) goes in it. The partitions go to each rank's own shard file
-        # (`tfdist.resume.sharded_state`).
-        children = super()._trackable_children(save_type, **kwargs)
-        sharded = {id(v) for v in self.sharded_variables}
-        return {name: child for name, child in children.items()
-                if isinstance(child, keras.Variable) and id(child) not in sharded}
+
+class _SlicedGradients(_SlicedMixin):
+    """Stage 2: the weights stay whole; their gradients come reduce-scattered from the
+    backward pass (or, without `reduce_in_backward`, here, after it)."""
+
+    zero_stage = 2
+
+    def _make_targets(self, variables: list[Any]) -> list[Any]:
+        # This rank's slice of each weight is updated in a copy, refreshed from the weight
+        # before every update (the weight stays the truth: a broadcast or a restore
+        # changes it under the optimizer).
+        reduce_scattered(variables, self._collectives, self.reduce_in_backward)
+        return [keras.Variable(variable._value.slice_of(variable.value), name=variable.name,
+                               trainable=True) for variable in variables]
+
+    def _update(self, grads: list[Any]) -> None:
+        if self._shard.whole_gradients_once or not self.reduce_in_backward:
+            self._shard.whole_gradients_once = False
+            grads = [None if grad is None else variable._value.reduce_scatter_gradient(grad)
+                     for grad, variable in zip(grads, self._shard.variables)]
+        mine = self._sliced_gradients(grads)
+        for variable, target in zip(self._shard.variables, self._shard.targets):
+            target.assign(variable._value.slice_of(variable.value))
+        self._update_targets(mine)
+        self._gather_weights()
+
+    def _gather_weights(self) -> None:
+        # One variable at a time: the whole weights are never gathered at once.
+        for index, (variable, target) in enumerate(zip(self._shard.variables,
+                                                       self._shard.targets)):
+            gathered = self._collectives.gather(tf.convert_to_tensor(target),
+                                                name=f"tfdist_zero2_weight_{index}")
+            variable.assign(tf.reshape(gathered[:self._shard.layout.sizes[index]],
+                                       variable.shape))
+
+    def _load_weights(self, read: Any) -> list[tuple[Any, int, str]]:
+        for index, variable in enumerate(self._shard.variables):
+            size = self._shard.layout.sizes[index]
+            variable.assign(np.reshape(read(index, WEIGHT, 0, size), variable.shape))
+        return []
+
+
+class _SlicedWeights(_SlicedMixin):
+    """Stage 3: the model's variables are stored as this rank's slices
+    (`tfdist.sharding.weights`), which the update writes in place: nothing to gather."""
+
+    zero_stage = 3
+
+    def _check_storage(self, variables: list[Any]) -> None:
+        _check_stored_sharded(variables)
+
+    def _make_targets(self, variables: list[Any]) -> list[Any]:
+        # Each variable's stored slice itself, under its name (weight decay's exclusions
+        # go by name), updated in place.
+        targets = [keras.Variable(v._value.shard, name=v.name, trainable=True)
+                   for v in variables]
+        for variable in variables:
+            variable._value.version = self._step
+        return targets
+
+    def _update(self, grads: list[Any]) -> None:
+        self._update_targets(self._sliced_gradients(grads))
+
+    def _keep_whole_weights(self) -> None:
+        # `model.save()` and `get_weights()` on the chief alone read the whole weights:
+        # each rank keeps them as of this step, in host memory, until the next update.
+        step = self._step()
+        for variable in self._shard.variables:
+            weight = variable._value
+            with tf.device("/cpu:0"):
+                weight.saved = (step, weight.read_value().numpy())
+
+    def _weight_parts(self) -> list[ShardPart]:
+        # The weights are this rank's slices: they go in the same file as its state.
+        return [ShardPart(piece.variable, WEIGHT, piece.start, piece.stop,
+                          target.numpy()[:piece.stop - piece.start])
+                for piece, target in zip(self._shard.owned, self._shard.targets)]
+
+    def _load_weights(self, read: Any) -> list[tuple[Any, int, str]]:
+        return [(target, i, WEIGHT) for i, target in enumerate(self._shard.targets)]
+
+
+# The class that implements each stage.
+STAGES: dict[int, type[_ShardedMixin]] = {1: _WholeVariables, 2: _SlicedGradients,
+                                          3: _SlicedWeights}
 
 
 def _check_stored_sharded(variables: Sequence[Any]) -> None:
@@ -457,9 +548,16 @@ def _scaled(gradient: Any, scale: Any) -> Any:
     return gradient * scale
 
 
-def _sharded_class(base: type) -> type:
-    """`base` with sharding first: the same name and module, so Keras saves it as `base`."""
-    return named_as(base, (_ShardedMixin, base))
+def _sharded_class(base: type, stage: int) -> type:
+    """`base` with the stage's sharding first: the same name and module, so Keras saves it
+    as `base`."""
+    return named_as(base, (STAGES[stage], base))
+
+
+def _users_class(sharded: type) -> type:
+    """The user's optimizer class that a sharded class (`_sharded_class`) derives from."""
+    mro = sharded.__mro__
+    return mro[mro.index(_ShardedMixin) + 1]
 
 
 def check_stage(stage: int, optimizer: keras.optimizers.Optimizer) -> None:
@@ -472,7 +570,7 @@ def check_stage(stage: int, optimizer: keras.optimizers.Optimizer) -> None:
     name = type(optimizer).__name__
     element_wise = (name in ELEMENT_WISE
                     and type(optimizer).__module__.startswith("keras."))
-    if stage >= 2 and not element_wise:
+    if STAGES[stage].updates_slices and not element_wise:
         raise ConfigError(f"zero_stage {stage} updates slices of variables, which only an "
                           f"element-wise optimizer ({', '.join(ELEMENT_WISE)}) updates as the "
                           f"whole; {name} is not one of them: use zero_stage 1, which updates "
@@ -509,7 +607,7 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
         optimizer = sharded_optimizer(keras.optimizers.AdamW(1e-3), collectives, stage=2)
     """
     check_stage(stage, optimizer)
-    sharded = recreated(optimizer, _sharded_class(type(optimizer)))
+    sharded = recreated(optimizer, _sharded_class(type(optimizer), stage))
     sharded._shard_trained_state = None
     if optimizer.built and optimizer.variables:
         # A trained optimizer (loaded from a `.keras` file, say): its state goes on, each
@@ -517,7 +615,6 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
         sharded._shard_trained_state = {}
         optimizer.save_own_variables(sharded._shard_trained_state)
     sharded._collectives = collectives
-    sharded.zero_stage = stage
     sharded.reduce_in_backward = reduce_in_backward or stage == 3
     return sharded
 
