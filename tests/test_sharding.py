@@ -14,6 +14,7 @@ import tensorflow as tf
 import tfdist
 from tfdist.sharding import ELEMENT_WISE, ShardLayout, check_stage, state_bytes
 from tests import reference
+from tests.conftest import REPO
 
 
 def covered(layout, ranks):
@@ -258,3 +259,34 @@ def test_stage_2_takes_the_weights_from_a_stage_3_shard_file(one_rank_runs):
     fresh.load_shard_state(lambda variable, name, start, stop:
                            parts[(variable, name)][start:stop], weights=True)
     assert reference.largest_difference(model.get_weights(), weights) == 0.0
+
+
+# --- the private members of Keras and TensorFlow that ZeRO relies on ---------------------
+
+
+def test_every_private_member_zero_relies_on_is_in_the_installed_code():
+    from tfdist.sharding import private
+
+    assert private.missing() == []
+    # Each declared member is one the sharding code uses: no stale declarations.
+    source = "".join(path.read_text() for path in sorted(
+        (REPO / "tfdist" / "sharding").glob("*.py")) if path.name != "private.py")
+    assert [member.name for member in private.MEMBERS if member.name not in source] == []
+
+
+def test_a_missing_private_member_is_one_line_naming_it():
+    import dataclasses
+
+    from tfdist.sharding import private
+
+    value = private.MEMBERS[0]  # the Keras variable's `_value`, assigned in its source
+    assert value.present() and not dataclasses.replace(value, how="attribute").present()
+    gone = dataclasses.replace(value, name="_removed_by_a_newer_keras")
+    for how in ("attribute", "assigned", "read"):  # each way of reading it can say absent
+        assert not dataclasses.replace(gone, how=how).present()
+    with pytest.raises(tfdist.ConfigError) as raised:
+        private.check(3, [*private.MEMBERS, gone])
+    message = str(raised.value)
+    assert message.startswith("zero_stage 3 relies on private members") and "\n" not in message
+    assert "Received: missing keras Variable._removed_by_a_newer_keras (" in message
+    private.check(3)  # the installed code has every member

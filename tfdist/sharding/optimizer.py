@@ -26,6 +26,7 @@ from tfdist.optimizers import named_as, recreated
 from tfdist.patches.keras_optimizer import sum_repeated_rows
 from tfdist.sharding.layout import Piece, ShardLayout
 from tfdist.sharding.collectives import ShardCollectives
+from tfdist.sharding import private
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order
 from tfdist.sharding.weights import gradient_shape, is_sharded, reduce_scattered
 
@@ -607,6 +608,7 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
         optimizer = sharded_optimizer(keras.optimizers.AdamW(1e-3), collectives, stage=2)
     """
     check_stage(stage, optimizer)
+    private.check(stage)
     sharded = recreated(optimizer, _sharded_class(type(optimizer), stage))
     sharded._shard_trained_state = None
     if optimizer.built and optimizer.variables:

@@ -40,6 +40,7 @@ from tensorflow.python.eager import record
 from tfdist.errors import ConfigError
 
 from tfdist.sharding.collectives import ShardCollectives
+from tfdist.sharding import private
 
 
 class _StoredWeight:
@@ -410,6 +411,8 @@ def sharded_creation(collectives: ShardCollectives) -> Iterator[None]:
         with sharded_creation(collectives):
             model = build_model()
     """
+    private.check(3)  # before any variable is made as a slice
+
     def creator(next_creator: Callable[..., Any], **kwargs: Any) -> Any:
         synchronization = kwargs.get("synchronization")
         if not kwargs.get("trainable", True) or synchronization in (
