@@ -6,7 +6,7 @@ pass for a `tf.Variable` where TensorFlow saves and exports one, and the sharded
 optimizer keeps Keras's weight-decay exclusions and EMA working on slices. Each member
 used to do so is declared here with its owner, what tfdist does with it, and how its
 presence is read from the installed code (an attribute of the class, an assignment in
-its source, or a read in the source of the function that reads it), as `tfdist.patches`
+its module, or a read in the source of the function that reads it), as `tfdist.patches`
 reads its bugs from the code, never from a version number.
 
 `missing()` lists the members the installed Keras and TensorFlow lack; `check(stage)`
@@ -33,8 +33,10 @@ from tfdist.errors import ConfigError
 
 @functools.lru_cache(maxsize=None)
 def _source(owner: Any) -> str:
+    """The source of `owner`'s module for a class (a class's own source is found by
+    parsing its module, a quarter of a second for these four), else of `owner`."""
     try:
-        return inspect.getsource(owner)
+        return inspect.getsource(inspect.getmodule(owner) if inspect.isclass(owner) else owner)
     except (OSError, TypeError):  # A class made at run time, or one defined in C.
         return ""
 
@@ -49,9 +51,9 @@ class PrivateMember:
             called when checked, never when declared.
         name: The member's name.
         use: What tfdist does with it, in a few words.
-        how: "attribute": the owner (or a base) has it; "assigned": the owner's source
-            or a base's assigns `self.<name> =` (an instance attribute); "read": the
-            owner's source reads it from the objects it is given.
+        how: "attribute": the owner (or a base) has it; "assigned": the module of the
+            owner or of a base assigns `self.<name> =` (an instance attribute); "read":
+            the owner's source reads it from the objects it is given.
 
     Example:
 
