@@ -53,11 +53,11 @@ MUTANTS = [
            "self._hvd.reducescatter, flat, op=self._hvd.Sum,",
            ("tests/adapters/test_zero.py", "-k", "two_ranks_equal_one_device")),
     Mutant("zero_slice_one_short",
-           "stages 2-3: each rank's piece of a variable (what its checkpoint shard holds) ends "
-           "one element early", "tfdist/sharding/layout.py",
-           "Piece(index, min(rank * width, size), min((rank + 1) * width, size),",
-           "Piece(index, min(rank * width, size), min((rank + 1) * width - 1, size),",
-           ("tests/adapters/test_zero.py", "-k", "holds_its or sigkill or resumes")),
+           "stages 2-3: each rank's slice of a variable (what it stores, updates and "
+           "checkpoints) ends one element early", "tfdist/sharding/layout.py",
+           "return start, min(start + self.width, self.size)",
+           "return start, min(start + self.width - 1, self.size)",
+           ("tests/test_sharding.py", "-k", "slicing or layout_says or cut_each")),
     Mutant("horovod_batch_check_removed", "horovod trains a batch that does not divide",
            "tfdist/adapters/horovod.py",
            "        check_global_batch_size(global_batch_size, size)\n"

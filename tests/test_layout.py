@@ -137,10 +137,21 @@ def micro_batch_check_outside_dataset_checks(library: dict[str, str]) -> list[st
             and "must divide each replica's batch" in source]
 
 
+def keras_storage_touched_outside_the_hooks(library: dict[str, str]) -> list[str]:
+    # What a Keras variable holds (its private `_value`) is read and replaced, with an
+    # undo, in tfdist.sharding.hooks alone; tfdist's patches of Keras are the other code
+    # that knows Keras's insides, each checked against the installed source.
+    return [module for module, source in library.items()
+            if module != "tfdist.sharding.hooks" and not module.startswith("tfdist.patches")
+            and any(isinstance(node, ast.Attribute) and node.attr == "_value"
+                    for node in ast.walk(ast.parse(source)))]
+
+
 RULES = [adapters_import_each_other, patches_import_above_them,
          environment_read_outside_cluster, library_imports_the_app,
          horovod_code_outside_its_wing, model_parallel_patches_applied_outside_placement,
-         model_devices_set_outside_the_base, micro_batch_check_outside_dataset_checks]
+         model_devices_set_outside_the_base, micro_batch_check_outside_dataset_checks,
+         keras_storage_touched_outside_the_hooks]
 
 # One deliberate violation of each rule, added to the real library.
 VIOLATIONS = {
@@ -158,6 +169,8 @@ VIOLATIONS = {
         "tfdist.adapters.one_device", "def f(self):\n    self.model_devices = ()\n"),
     micro_batch_check_outside_dataset_checks: (
         "tfdist.runner", "X = \"must divide each replica's batch\"\n"),
+    keras_storage_touched_outside_the_hooks: (
+        "tfdist.sharding.optimizer", "def f(variable):\n    return variable._value.shard\n"),
 }
 
 

@@ -12,7 +12,8 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist.sharding import ELEMENT_WISE, ShardLayout, check_stage, state_bytes
+from tfdist.sharding import (ELEMENT_WISE, ReduceScatteredWeight, ShardCollectives, ShardLayout,
+                             ShardedWeight, Slicing, check_stage, state_bytes)
 from tests import reference
 from tests.conftest import REPO
 
@@ -56,6 +57,66 @@ def test_stages_2_and_3_cut_each_variable_alone_into_equal_slices(stage):
 
 def test_a_rank_can_own_nothing():
     assert ShardLayout([24, 3], 3, 1).pieces(2) == []          # two variables, three ranks
+
+
+@pytest.mark.parametrize("size, ranks", [(10, 3), (320, 3), (1, 3), (48, 4), (7, 1)])
+def test_a_slicing_covers_the_variable_once_in_equal_padded_slices(size, ranks):
+    slicing = Slicing(size, ranks)
+    bounds = [slicing.bounds(rank) for rank in range(ranks)]
+    assert [start for start, _ in bounds] == [min(r * slicing.width, size) for r in range(ranks)]
+    assert all(stop - start <= slicing.width for start, stop in bounds)
+    assert np.array_equal(np.concatenate([np.arange(size)[start:stop] for start, stop in bounds]),
+                          np.arange(size))
+    assert slicing.padded == slicing.width * ranks >= size
+    assert Slicing(10, 3).bounds(2) == (8, 10) and Slicing(1, 3).bounds(2) == (1, 1)
+
+
+class _RankOf(ShardCollectives):
+    """Which rank of how many: all that cutting a value into its slice needs (no
+    collective is called)."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_the_weights_cut_their_slices_where_the_layout_says(ranks):
+    # The optimizer's layout, a stage-2 weight and a stage-3 weight's creation agree on every
+    # rank's elements: one geometry, from `Slicing`.
+    value = np.arange(10, dtype=np.float32).reshape(2, 5)
+    layout = ShardLayout([10], ranks, stage=2)
+    for rank in range(ranks):
+        (piece,) = layout.pieces(rank)
+        expected = np.pad(value.reshape(-1)[piece.start:piece.stop],
+                          [0, layout.widths[0] - (piece.stop - piece.start)])
+        stage_2 = ReduceScatteredWeight(tf.Variable(value), _RankOf(rank, ranks), index=0)
+        assert stage_2.slicing == layout.slicings[0]
+        assert np.array_equal(stage_2.slice_of(value).numpy(), expected)
+        stage_3 = ShardedWeight(tf.Variable(expected), value.shape, _RankOf(rank, ranks), 0)
+        assert (stage_3.width, stage_3.size) == (layout.widths[0], 10)
+
+
+def test_the_storage_swap_is_undone_to_the_variable_keras_made():
+    from tfdist.sharding import OneRankCollectives
+    from tfdist.sharding.hooks import held
+    from tfdist.sharding.weights import reduce_scattered
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    kernel = model.layers[0].kernel
+    own = held(kernel)
+
+    def kernel_gradient_shape():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(tf.ones([4, 3])))
+        return tape.gradient(loss, model.trainable_variables)[0].shape
+
+    undos = reduce_scattered(model.trainable_variables, OneRankCollectives())
+    assert isinstance(held(kernel), ReduceScatteredWeight) and held(kernel).storage is own
+    assert kernel_gradient_shape() == [6]  # this rank's slice, flattened: reduce-scattered
+    for undo in undos:
+        undo()
+    assert held(kernel) is own
+    assert kernel_gradient_shape() == [3, 2]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -55,8 +55,7 @@ def import_horovod() -> ModuleType:
 def tf_variable(variable: Any) -> tf.Variable:
     """The `tf.Variable` under a Keras 3 variable (Horovod's ops take TensorFlow's own),
     past a zero_stage 2 or 3 weight's read (`tfdist.sharding.weights`)."""
-    value = variable._value if isinstance(variable, keras.Variable) else variable
-    return sharding.stored_variable(value)
+    return sharding.stored_variable(variable)
 
 
 # PyTorch DDP's default bucket: big enough that a bucket's fixed cost is small beside its

@@ -37,7 +37,7 @@ Example:
 """
 
 from tfdist.sharding.collectives import OneRankCollectives, ShardCollectives
-from tfdist.sharding.layout import Piece, ShardLayout
+from tfdist.sharding.layout import Piece, ShardLayout, Slicing
 from tfdist.sharding.optimizer import (ELEMENT_WISE, WEIGHT, check_stage, find_sharded,
                                        sharded_optimizer)
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order, state_bytes
@@ -45,6 +45,6 @@ from tfdist.sharding.weights import (ReduceScatteredWeight, ShardedWeight, is_sh
                                      sharded_creation, stored_variable)
 
 __all__ = ["ELEMENT_WISE", "OneRankCollectives", "Other", "Piece", "ReduceScatteredWeight",
-           "ShardCollectives", "ShardLayout", "ShardPart", "ShardedWeight", "Slot", "WEIGHT",
-           "check_stage", "find_sharded", "is_sharded", "plain_order", "sharded_creation",
+           "ShardCollectives", "ShardLayout", "ShardPart", "ShardedWeight", "Slicing", "Slot",
+           "WEIGHT", "check_stage", "find_sharded", "is_sharded", "plain_order", "sharded_creation",
            "sharded_optimizer", "state_bytes", "stored_variable"]

@@ -7,6 +7,10 @@ they are also how the weights are stored). Each gives each rank its pieces (a
 variable's flat element range) and, at stage 1, where each variable's elements sit in
 the buffer the ranks gather.
 
+`Slicing` is the one place that says how a variable is cut into N equal slices: the
+optimizer's layout, the weights' reduce-scatter and all-gather, and the creation of a
+stage-3 weight as its slice all read it.
+
 Example:
 
     layout = ShardLayout([320, 1024, 16], ranks=2, stage=2)
@@ -32,6 +36,43 @@ class Piece:
     start: int
     stop: int
     whole: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Slicing:
+    """One variable of `size` elements, flattened and cut into `ranks` slices of `width`
+    (stages 2 and 3): rank r holds elements [r * width, (r + 1) * width), the last
+    slices padded with zeros past `size` (a rank's slice may be all padding).
+
+    Args:
+        size: The variable's number of elements.
+        ranks: The number of ranks.
+
+    Example:
+
+        slicing = Slicing(size=10, ranks=3)
+        slicing.width             # 4: every rank's slice, padding included
+        slicing.bounds(2)         # (8, 10): rank 2 holds 2 elements and 2 of padding
+        slicing.padded            # 12: the reduce-scatter's input, the all-gather's output
+    """
+
+    size: int
+    ranks: int
+
+    @property
+    def width(self) -> int:
+        """Elements in every rank's slice, padding included (at least 1)."""
+        return max(1, math.ceil(self.size / self.ranks))
+
+    @property
+    def padded(self) -> int:
+        """Elements of the flattened variable padded to `ranks` slices of `width`."""
+        return self.width * self.ranks
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        """The elements [start, stop) of the variable in rank `rank`'s slice."""
+        start = min(rank * self.width, self.size)
+        return start, min(start + self.width, self.size)
 
 
 class ShardLayout:
@@ -69,12 +110,12 @@ class ShardLayout:
             # Stages 2 and 3: every variable cut alone into N equal slices (the last ones
             # padded): each rank's gradient of a variable is its slice, reduce-scattered
             # as the backward pass produces it, and a variable is gathered by itself.
-            self.widths = [max(1, math.ceil(size / ranks)) for size in self.sizes]
+            self.slicings = [Slicing(size, ranks) for size in self.sizes]
+            self.widths = [slicing.width for slicing in self.slicings]
             self._slices = [sum(self.widths)] * ranks
             self.position = offsets[:-1]
-            self._pieces = [[Piece(index, min(rank * width, size), min((rank + 1) * width, size),
-                                   False)
-                             for index, (size, width) in enumerate(zip(self.sizes, self.widths))]
+            self._pieces = [[Piece(index, *slicing.bounds(rank), False)
+                             for index, slicing in enumerate(self.slicings)]
                             for rank in range(ranks)]
 
     def pieces(self, rank: int) -> list[Piece]:

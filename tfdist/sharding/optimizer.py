@@ -27,6 +27,7 @@ from tfdist.patches.keras_optimizer import sum_repeated_rows
 from tfdist.sharding.layout import Piece, ShardLayout
 from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding import private
+from tfdist.sharding.hooks import held
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order
 from tfdist.sharding.weights import gradient_shape, is_sharded, reduce_scattered
 
@@ -451,17 +452,17 @@ class _SlicedGradients(_SlicedMixin):
         # before every update (the weight stays the truth: a broadcast or a restore
         # changes it under the optimizer).
         reduce_scattered(variables, self._collectives, self.reduce_in_backward)
-        return [keras.Variable(variable._value.slice_of(variable.value), name=variable.name,
+        return [keras.Variable(held(variable).slice_of(variable.value), name=variable.name,
                                trainable=True) for variable in variables]
 
     def _update(self, grads: list[Any]) -> None:
         if self._shard.whole_gradients_once or not self.reduce_in_backward:
             self._shard.whole_gradients_once = False
-            grads = [None if grad is None else variable._value.reduce_scatter_gradient(grad)
+            grads = [None if grad is None else held(variable).reduce_scatter_gradient(grad)
                      for grad, variable in zip(grads, self._shard.variables)]
         mine = self._sliced_gradients(grads)
         for variable, target in zip(self._shard.variables, self._shard.targets):
-            target.assign(variable._value.slice_of(variable.value))
+            target.assign(held(variable).slice_of(variable.value))
         self._update_targets(mine)
         self._gather_weights()
 
@@ -493,10 +494,10 @@ class _SlicedWeights(_SlicedMixin):
     def _make_targets(self, variables: list[Any]) -> list[Any]:
         # Each variable's stored slice itself, under its name (weight decay's exclusions
         # go by name), updated in place.
-        targets = [keras.Variable(v._value.shard, name=v.name, trainable=True)
+        targets = [keras.Variable(held(v).shard, name=v.name, trainable=True)
                    for v in variables]
         for variable in variables:
-            variable._value.version = self._step
+            held(variable).version = self._step
         return targets
 
     def _update(self, grads: list[Any]) -> None:
@@ -507,7 +508,7 @@ class _SlicedWeights(_SlicedMixin):
         # each rank keeps them as of this step, in host memory, until the next update.
         step = self._step()
         for variable in self._shard.variables:
-            weight = variable._value
+            weight = held(variable)
             with tf.device("/cpu:0"):
                 weight.saved = (step, weight.read_value().numpy())
 

@@ -113,7 +113,8 @@ def _keras_tf_optimizer() -> type:
 MEMBERS: tuple[PrivateMember, ...] = (
     PrivateMember("keras Variable", _keras_variable, "_value",
                   "the tf.Variable a Keras variable holds, swapped for a weight read "
-                  "through collectives (stages 2 and 3)", how="assigned"),
+                  "through collectives (stages 2 and 3; in tfdist.sharding.hooks alone)",
+                  how="assigned"),
     PrivateMember("tf is_resource_variable", _is_resource_variable,
                   "_should_act_as_resource_variable",
                   "makes that weight pass for a resource variable", how="read"),

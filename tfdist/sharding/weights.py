@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -41,6 +40,8 @@ from tfdist.errors import ConfigError
 
 from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding import private
+from tfdist.sharding.hooks import held, replace_storage
+from tfdist.sharding.layout import Slicing
 
 
 class _StoredWeight:
@@ -55,10 +56,22 @@ class _StoredWeight:
     _prefix = "tfdist_zero"  # Names the collectives, with the variable's index.
     gradient_sliced = True  # Whether the backward pass gives this rank a slice.
 
-    def __init__(self, storage: tf.Variable, collectives: ShardCollectives, index: int):
+    def __init__(self, storage: tf.Variable, collectives: ShardCollectives, index: int,
+                 slicing: Slicing):
         self.storage = storage
         self._collectives = collectives
         self._index = index
+        self.slicing = slicing  # How the weight and its gradient are cut across ranks.
+
+    @property
+    def size(self) -> int:
+        """Elements of the whole weight."""
+        return self.slicing.size
+
+    @property
+    def width(self) -> int:
+        """Elements of this rank's slice, padding included."""
+        return self.slicing.width
 
     @property
     def dtype(self) -> tf.DType:
@@ -109,16 +122,14 @@ class _StoredWeight:
         rows add exactly, as one device's update adds them.
         """
         flat = tf.reshape(tf.convert_to_tensor(upstream), [-1])
-        padded = tf.pad(flat, [[0, self.width * self._collectives.size - self.size]])
+        padded = tf.pad(flat, [[0, self.slicing.padded - self.size]])
         return self._collectives.reduce_scatter(
             padded, name=f"{self._prefix}_gradient_{self._index}")
 
     def slice_of(self, value: Any) -> tf.Tensor:
         """This rank's slice of a whole value, flattened and padded with zeros to `width`."""
-        flat = tf.reshape(tf.cast(tf.convert_to_tensor(value), self.dtype), [-1])
-        start = min(self._collectives.rank * self.width, self.size)
-        stop = min(start + self.width, self.size)
-        return tf.pad(flat[start:stop], [[0, self.width - (stop - start)]])
+        return _slice(tf.cast(tf.convert_to_tensor(value), self.dtype), self.slicing,
+                      self._collectives.rank)
 
 
 class ReduceScatteredWeight(_StoredWeight):
@@ -142,16 +153,15 @@ class ReduceScatteredWeight(_StoredWeight):
     Example:
 
         weight = ReduceScatteredWeight(keras_variable.value, collectives, 0)
-        keras_variable._value = weight      # what the sharded optimizer's build does
+        replace_storage(keras_variable, weight)    # what the sharded optimizer's build does
     """
 
     _prefix = "tfdist_zero2"
 
     def __init__(self, storage: tf.Variable, collectives: ShardCollectives, index: int,
                  in_backward: bool = True):
-        super().__init__(storage, collectives, index)
-        self.size = int(storage.shape.num_elements())
-        self.width = max(1, math.ceil(self.size / collectives.size))
+        super().__init__(storage, collectives, index,
+                         Slicing(int(storage.shape.num_elements()), collectives.size))
         self.gradient_sliced = in_backward
 
     @property
@@ -237,11 +247,14 @@ class ShardedWeight(_StoredWeight):
 
     def __init__(self, shard: tf.Variable, shape: tf.TensorShape, collectives: ShardCollectives,
                  index: int):
-        super().__init__(shard, collectives, index)
+        whole_shape = tf.TensorShape(shape)
+        super().__init__(shard, collectives, index,
+                         Slicing(int(whole_shape.num_elements()), collectives.size))
+        if shard.shape != [self.width]:
+            raise ValueError(f"a slice of {self.width} elements holds 1/{collectives.size} of "
+                             f"{whole_shape}. Received: {shard.shape}")
         self.shard = shard
-        self.whole_shape = tf.TensorShape(shape)
-        self.size = int(self.whole_shape.num_elements())
-        self.width = int(shard.shape[0])
+        self.whole_shape = whole_shape
         # The whole value gathered at the end of a fit, for `model.save()` on the chief
         # alone, and the optimizer step it belongs to (`version()` is the current step).
         self.saved: tuple[int, np.ndarray] | None = None
@@ -329,6 +342,12 @@ class ShardedWeight(_StoredWeight):
                 f"{self._collectives.size} ranks>")
 
 
+def _slice(value: tf.Tensor, slicing: Slicing, rank: int) -> tf.Tensor:
+    """Rank `rank`'s slice of a whole value: flattened, cut, padded with zeros to `width`."""
+    start, stop = slicing.bounds(rank)
+    return tf.pad(tf.reshape(value, [-1])[start:stop], [[0, slicing.width - (stop - start)]])
+
+
 def _converted(weight: _StoredWeight, dtype: Any = None, name: str | None = None,
                as_ref: bool = False) -> tf.Tensor:
     del name, as_ref
@@ -347,19 +366,21 @@ _creation_order = itertools.count()
 
 def is_sharded(variable: Any) -> bool:
     """Whether a Keras variable (or what it holds) is stored sharded (zero_stage 3)."""
-    return isinstance(getattr(variable, "_value", variable), ShardedWeight)
+    return isinstance(held(variable), ShardedWeight)
 
 
 def stored_variable(value: Any) -> Any:
-    """The `tf.Variable` that holds a zero_stage 2 or 3 weight's bytes (at stage 3, this
-    rank's slice); any other value as it is."""
+    """The `tf.Variable` that holds a weight's bytes: a Keras variable's own, or at
+    zero_stage 2 and 3 the one its storage keeps (at stage 3, this rank's slice). Takes a
+    Keras variable or what one holds; any other value as it is."""
+    value = held(value)
     return value.storage if isinstance(value, _StoredWeight) else value
 
 
 def gradient_is_sliced(variable: Any) -> bool:
     """Whether the backward pass gives this rank a slice of `variable`'s gradient
     (zero_stage 2 and 3: reduce-scattered as the layer's gradient appears)."""
-    value = getattr(variable, "_value", variable)
+    value = held(variable)
     return isinstance(value, _StoredWeight) and value.gradient_sliced
 
 
@@ -367,12 +388,12 @@ def gradient_shape(variable: Any) -> tf.TensorShape:
     """The shape of `variable`'s gradient in the train step: this rank's slice at
     zero_stage 2 and 3 (the backward pass reduce-scatters it), else its own."""
     if gradient_is_sliced(variable):
-        return tf.TensorShape([variable._value.width])
+        return tf.TensorShape([held(variable).width])
     return variable.shape
 
 
 def reduce_scattered(variables: Sequence[Any], collectives: ShardCollectives,
-                     in_backward: bool = True) -> None:
+                     in_backward: bool = True) -> list[Callable[[], None]]:
     """From now on, the gradients of these Keras variables are reduce-scattered, in the
     backward pass or when asked (`ReduceScatteredWeight`); their values stay whole.
 
@@ -385,13 +406,17 @@ def reduce_scattered(variables: Sequence[Any], collectives: ShardCollectives,
         in_backward: Reduce-scatter in the backward pass; False: when the optimizer
             calls `reduce_scatter_gradient`.
 
+    Returns:
+        Each variable's undo (`tfdist.sharding.hooks.replace_storage`): it makes the
+        variable hold again what it held before this call.
+
     Example:
 
         reduce_scattered(model.trainable_variables, collectives)  # zero_stage 2's build
     """
-    for index, variable in enumerate(variables):
-        variable._value = ReduceScatteredWeight(stored_variable(variable._value), collectives,
-                                                index, in_backward)
+    return [replace_storage(variable, ReduceScatteredWeight(stored_variable(variable),
+                                                            collectives, index, in_backward))
+            for index, variable in enumerate(variables)]
 
 
 @contextlib.contextmanager
@@ -424,13 +449,10 @@ def sharded_creation(collectives: ShardCollectives) -> Iterator[None]:
                                          dtype=kwargs.get("dtype"))
             index = next(_creation_order)
             value = collectives.broadcast(value, name=f"tfdist_zero3_initial_{index}")
-            width = max(1, math.ceil(value.shape.num_elements() / collectives.size))
-            flat = tf.reshape(value, [-1])
-            start = min(collectives.rank * width, int(flat.shape[0]))
-            stop = min(start + width, int(flat.shape[0]))
-            piece = tf.pad(flat[start:stop], [[0, width - (stop - start)]])
+            piece = _slice(value, Slicing(int(value.shape.num_elements()), collectives.size),
+                           collectives.rank)
             shape = value.shape
-            del value, flat  # Only this rank's slice outlives the creation.
+            del value  # Only this rank's slice outlives the creation.
         arguments = {**kwargs, "initial_value": piece, "shape": None}
         return ShardedWeight(next_creator(**arguments), shape, collectives, index)
 
