@@ -181,9 +181,10 @@ def main(argv: list[str]) -> int:
     # First each distinct selection of tests on the code as it is: a test that fails there
     # would count every bug as caught.
     failing = set()
+    width = max(len(mutant.name) for mutant in chosen)  # the names' column
     for tests in dict.fromkeys(mutant.tests for mutant in chosen):
         verdict, detail, seconds = run(None, tests)
-        print(f"{'passes' if verdict == 'MISSED' else 'FAILS':6} {'(no bug)':34} "
+        print(f"{'passes' if verdict == 'MISSED' else 'FAILS':6} {'(no bug)':{width}} "
               f"{seconds:6.0f} s  {' '.join(tests)}", flush=True)
         if verdict != "MISSED":
             failing.add(tests)
@@ -194,7 +195,7 @@ def main(argv: list[str]) -> int:
         else:
             verdict, detail, seconds = run(mutant, mutant.tests)
         missed += verdict != "caught"
-        print(f"{verdict:6} {mutant.name:34} {seconds:6.0f} s  {detail}", flush=True)
+        print(f"{verdict:6} {mutant.name:{width}} {seconds:6.0f} s  {detail}", flush=True)
     print(f"{len(chosen) - missed} of {len(chosen)} caught")
     return 1 if missed else 0
 
