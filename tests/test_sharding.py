@@ -5,6 +5,7 @@ The ranks' training is in `tests/adapters/test_zero.py` (real processes under mp
 
 import glob
 import os
+import sys
 
 import keras
 import numpy as np
@@ -15,7 +16,7 @@ import tfdist
 from tfdist.sharding import (ELEMENT_WISE, ReduceScatteredWeight, ShardCollectives, ShardLayout,
                              ShardedWeight, Slicing, check_stage, state_bytes)
 from tests import reference
-from tests.conftest import REPO
+from tests.conftest import REPO, last_json_line, run_command
 
 
 def covered(layout, ranks):
@@ -351,3 +352,36 @@ def test_a_missing_private_member_is_one_line_naming_it():
     assert message.startswith("zero_stage 3 relies on private members") and "\n" not in message
     assert "Received: missing keras Variable._removed_by_a_newer_keras (" in message
     private.check(3)  # the installed code has every member
+
+
+# Stage 3's creation as rank 0 of 4 (creation's only collective, the broadcast, is rank 0's
+# own value here), counted by TensorFlow's allocator: a 64 MiB model.
+CREATED_AS_ONE_OF_FOUR = """
+import json
+import keras, tensorflow as tf
+from tfdist.memory import allocator_bytes
+from tfdist.sharding import OneRankCollectives, sharded_creation
+
+class FirstOfFour(OneRankCollectives):
+    rank, size = 0, 4
+
+before = allocator_bytes("CPU:0").current
+with sharded_creation(FirstOfFour()):
+    model = keras.Sequential([keras.Input((1024,))] +
+                             [keras.layers.Dense(1024) for _ in range(16)])
+slices = sum(v.value.shard.shape[0] for v in model.trainable_variables) * 4
+print(json.dumps({"held": allocator_bytes("CPU:0").current - before, "slices": slices,
+                  "whole": model.count_params() * 4}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_stage_3_rank_holds_its_slices_of_the_weights_not_the_whole_model(tmp_path):
+    result = run_command([sys.executable, "-c", CREATED_AS_ONE_OF_FOUR], cwd=tmp_path,
+                         env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = last_json_line(result.stdout)
+    assert figures["slices"] * 4 >= figures["whole"] > 60 * 2**20
+    # The slices, plus a few MiB of Keras's own (seeds, the layers' other state): a slice
+    # that kept its whole value's buffer would hold all 64 MiB.
+    assert figures["held"] < figures["slices"] + 8 * 2**20, figures

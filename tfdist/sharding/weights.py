@@ -343,9 +343,15 @@ class ShardedWeight(_StoredWeight):
 
 
 def _slice(value: tf.Tensor, slicing: Slicing, rank: int) -> tf.Tensor:
-    """Rank `rank`'s slice of a whole value: flattened, cut, padded with zeros to `width`."""
+    """Rank `rank`'s slice of a whole value: flattened, cut, padded with zeros to `width`,
+    in a buffer of its own."""
     start, stop = slicing.bounds(rank)
-    return tf.pad(tf.reshape(value, [-1])[start:stop], [[0, slicing.width - (stop - start)]])
+    piece = tf.pad(tf.reshape(value, [-1])[start:stop], [[0, slicing.width - (stop - start)]])
+    # A slice shares its whole value's buffer (TensorFlow's slice aliases it, and a pad of
+    # nothing passes it through), and a variable made from it keeps that buffer alive: at
+    # stage 3 every rank would hold the whole model (measured: 64.1 MiB after creating a
+    # 64 MiB model as 1 of 4 ranks, against 18.9 MiB with the copy).
+    return tf.raw_ops.DeepCopy(x=piece)
 
 
 def _converted(weight: _StoredWeight, dtype: Any = None, name: str | None = None,
