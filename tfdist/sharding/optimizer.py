@@ -452,8 +452,8 @@ class _SlicedGradients(_SlicedMixin):
         # before every update (the weight stays the truth: a broadcast or a restore
         # changes it under the optimizer).
         reduce_scattered(variables, self._collectives, self.reduce_in_backward)
-        return [keras.Variable(held(variable).slice_of(variable.value), name=variable.name,
-                               trainable=True) for variable in variables]
+        return [keras.Variable(held(variable).slice_of(variable.value, own_buffer=True),
+                               name=variable.name, trainable=True) for variable in variables]
 
     def _update(self, grads: list[Any]) -> None:
         if self._shard.whole_gradients_once or not self.reduce_in_backward:

@@ -126,10 +126,11 @@ class _StoredWeight:
         return self._collectives.reduce_scatter(
             padded, name=f"{self._prefix}_gradient_{self._index}")
 
-    def slice_of(self, value: Any) -> tf.Tensor:
-        """This rank's slice of a whole value, flattened and padded with zeros to `width`."""
+    def slice_of(self, value: Any, own_buffer: bool = False) -> tf.Tensor:
+        """This rank's slice of a whole value, flattened and padded with zeros to `width`;
+        with `own_buffer`, in a buffer of its own (to make a variable from)."""
         return _slice(tf.cast(tf.convert_to_tensor(value), self.dtype), self.slicing,
-                      self._collectives.rank)
+                      self._collectives.rank, own_buffer)
 
 
 class ReduceScatteredWeight(_StoredWeight):
@@ -342,16 +343,17 @@ class ShardedWeight(_StoredWeight):
                 f"{self._collectives.size} ranks>")
 
 
-def _slice(value: tf.Tensor, slicing: Slicing, rank: int) -> tf.Tensor:
-    """Rank `rank`'s slice of a whole value: flattened, cut, padded with zeros to `width`,
-    in a buffer of its own."""
+def _slice(value: tf.Tensor, slicing: Slicing, rank: int, own_buffer: bool) -> tf.Tensor:
+    """Rank `rank`'s slice of a whole value: flattened, cut, padded with zeros to `width`;
+    with `own_buffer`, copied into a buffer of its own."""
     start, stop = slicing.bounds(rank)
     piece = tf.pad(tf.reshape(value, [-1])[start:stop], [[0, slicing.width - (stop - start)]])
     # A slice shares its whole value's buffer (TensorFlow's slice aliases it, and a pad of
     # nothing passes it through), and a variable made from it keeps that buffer alive: at
     # stage 3 every rank would hold the whole model (measured: 64.1 MiB after creating a
-    # 64 MiB model as 1 of 4 ranks, against 18.9 MiB with the copy).
-    return tf.raw_ops.DeepCopy(x=piece)
+    # 64 MiB model as 1 of 4 ranks, against 18.9 MiB with the copy). An assign into an
+    # existing variable copies anyway: no copy here.
+    return tf.raw_ops.DeepCopy(x=piece) if own_buffer else piece
 
 
 def _converted(weight: _StoredWeight, dtype: Any = None, name: str | None = None,
@@ -456,7 +458,7 @@ def sharded_creation(collectives: ShardCollectives) -> Iterator[None]:
             index = next(_creation_order)
             value = collectives.broadcast(value, name=f"tfdist_zero3_initial_{index}")
             piece = _slice(value, Slicing(int(value.shape.num_elements()), collectives.size),
-                           collectives.rank)
+                           collectives.rank, own_buffer=True)
             shape = value.shape
             del value  # Only this rank's slice outlives the creation.
         arguments = {**kwargs, "initial_value": piece, "shape": None}
