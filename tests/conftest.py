@@ -163,6 +163,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def worker_tmpdir():
+    """Each pytest worker's processes get a temporary folder of their own (TMPDIR).
+
+    Module-scoped fixtures start processes before `private_tmpdir` applies, so without
+    this two workers' `mpirun`s share /tmp and race to create Open MPI's session folder
+    there ("mkdir /tmp/ompi.HOST.0: File exists").
+    """
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="tfdist-worker-")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", folder)
+        yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def private_tmpdir(monkeypatch):
     """Each test's processes get a temporary folder of their own (TMPDIR).

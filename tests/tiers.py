@@ -19,8 +19,9 @@ from __future__ import annotations
 
 # What must have a first-tier test: each strategy in tfdist's registry (but those in
 # NO_FIRST_TIER_RUN) and each technique.
-TECHNIQUES = ("accumulation", "zero_stage 1", "zero_stage 2", "zero_stage 3", "pipeline",
-              "resume after a kill", "preemption", "the README as written")
+TECHNIQUES = ("accumulation", "zero_stage 1", "zero_stage 2", "zero_stage 3",
+              "a model larger than one device", "pipeline", "resume after a kill", "preemption",
+              "the README as written")
 
 # Strategies no multi-process test can run here, and why.
 NO_FIRST_TIER_RUN = {
@@ -46,6 +47,9 @@ FIRST_TIER: dict[str, list[str]] = {
     "zero_stage 1": [f"{TWO_EMBEDDINGS}[pair-s1_acc1]", f"{TWO_EMBEDDINGS}[pair-s1_acc2]"],
     "zero_stage 2": [f"{TWO_EMBEDDINGS}[pair-s2_acc1]", f"{TWO_EMBEDDINGS}[pair-s2_acc2]"],
     "zero_stage 3": [f"{TWO_EMBEDDINGS}[pair-s3_acc1]", f"{TWO_EMBEDDINGS}[pair-s3_acc2]"],
+    # 8 ranks under a memory cap below the model's weights (its reference run comes along).
+    "a model larger than one device": ["tests/test_larger_than_device.py::test_under_the_cap_"
+                                       "stage_3_trains_on_8_ranks_equal_to_the_uncapped_device"],
     "pipeline": ["tests/adapters/test_model_parallel.py::"
                  "test_every_rank_equals_one_device_on_the_global_batch[pipeline]"],
     "resume after a kill": ["tests/resume/test_backup.py::"

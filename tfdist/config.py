@@ -43,9 +43,9 @@ __all__ = ["AutoShard", "CheckpointConfig", "ClusterConfig", "Communication", "C
            "Config", "CrossDeviceOps", "DEFAULT_COLLECTIVE_TIMEOUT_SECONDS", "DatasetName",
            "HorovodConfig", "MirroredConfig", "ModelParallelConfig", "MultiWorkerConfig",
            "OneDeviceConfig", "OptimizerName", "ParameterServerConfig", "Precision",
-           "Reduction", "Strategy", "TPUConfig", "ThreadsConfig", "TrainConfig", "ZeroStage",
-           "check_precision_supported", "config_keys", "field_help", "load_config",
-           "parse_enum"]
+           "Reduction", "Strategy", "TPUConfig", "ThreadsConfig", "TrainConfig", "ZeroConfig",
+           "ZeroStage", "check_precision_supported", "config_keys", "field_help",
+           "load_config", "parse_enum"]
 
 
 # Long enough for peers that trace, compile or read data at different speeds; short enough
@@ -208,6 +208,18 @@ class ModelParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """How zero_stage 3 gathers the weights (`tfdist.sharding.units`)."""
+
+    reshard_after_forward: bool = _field(
+        True, "At zero_stage 3, each layer's weights are gathered for its call and dropped "
+              "after it, then gathered again in the backward pass, which recomputes the "
+              "layer's forward (about one more forward pass): a rank holds one layer's whole "
+              "weights at a time. false: each gathered weight lives until the backward pass "
+              "has used it, so at the peak every rank holds the whole model's.")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Checkpoints for an exact resume after a crash or preemption (`runner.callbacks`)."""
 
@@ -298,6 +310,7 @@ class Config:
         horovod: The `horovod` strategy's options.
         parameter_server: The `parameter_server` strategy's options.
         model_parallel: One model over several devices per process (`tfdist.parallel`).
+        zero: How zero_stage 3 gathers the weights.
         checkpoint: Checkpoints for an exact resume, and what a SIGTERM does.
         cluster: How the processes of a multi-process run find each other.
         trusted_network: Silence the warning about TensorFlow's unauthenticated servers.
@@ -340,6 +353,7 @@ class Config:
                                                      "Options of parameter_server.")
     model_parallel: ModelParallelConfig = _field(
         ModelParallelConfig(), "Model parallelism over each process's devices.")
+    zero: ZeroConfig = _field(ZeroConfig(), "How zero_stage 3 gathers the weights.")
     checkpoint: CheckpointConfig = _field(CheckpointConfig(),
                                           "Checkpoints, resume and preemption.")
     cluster: ClusterConfig = _field(ClusterConfig(), "How the processes find each other.")

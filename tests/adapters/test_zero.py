@@ -47,6 +47,10 @@ EQUIVALENT = {
     "s3_adamw": (["--stage=3", "--optimizer=adamw"], "adamw"),
     "s3_sgd": (["--stage=3", "--optimizer=sgd_momentum"], "sgd_momentum"),
 }
+# Stage 3 with each gathered weight held to the backward pass (zero.reshard_after_forward
+# false): the other runs gather each layer's weights again there.
+HELD = {"s3_sgd_held": (["--stage=3", "--optimizer=sgd_momentum", "--held"], "sgd_momentum"),
+        "s3_adam_clip_held": (["--stage=3", "--optimizer=adam_clip", "--held"], "adam_clip")}
 EQUIVALENT.update({
     # Micro-batches of half the global batch, 2 per update: one device at the whole batch.
     "s1_accumulate": (["--stage=1", "--optimizer=adam_clip", "--accumulation=2"], "adam_clip"),
@@ -61,6 +65,7 @@ EQUIVALENT.update({
     f"s{stage}_accumulate_sgd": ([f"--stage={stage}", f"--optimizer={SGD}", "--accumulation=2"],
                                  SGD) for stage in (1, 2, 3)})
 ONLY_ON_2 = {
+    **HELD,
     "s2_clipnorm": (["--stage=2", "--optimizer=adam_clipnorm"], "adam_clipnorm"),
     "s2_ema": (["--stage=2", "--optimizer=adam_ema"], "adam_ema"),
     "s3_clipnorm": (["--stage=3", "--optimizer=adam_clipnorm"], "adam_clipnorm"),

@@ -103,6 +103,8 @@ def parse(argv):
     parser.add_argument("--model", default="pair", choices=["pair", "bert", "gpt2"])
     parser.add_argument("--stage", type=int, default=0)
     parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--held", action="store_true",
+                        help="zero.reshard_after_forward false (stage 3)")
     parser.add_argument("--variants", help="JSON: {name: [args, ...]}, trained in turn")
     return parser.parse_args(argv)
 
@@ -110,6 +112,8 @@ def parse(argv):
 def run(args):
     # mirrored: 2 replicas on 2 logical CPU devices of this process.
     extra = {"mirrored.cpu_replicas": 2} if args.strategy == "mirrored" else {}
+    if args.held:
+        extra["zero.reshard_after_forward"] = False
     model = train(args.strategy, args.model, args.stage, args.accumulation, extra)
     if args.strategy == "horovod":
         import horovod.tensorflow as hvd

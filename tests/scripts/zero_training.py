@@ -5,7 +5,7 @@ Run by tests under `mpirun -np 2` or `-np 3`:
     mpirun -np 2 python tests/scripts/zero_training.py OUT_DIR --stage 2 --optimizer adam_clip \
         [--steps N] [--epochs N] [--accumulation K] [--precision P] [--inf_at_step S] \
         [--model embedding|deferred|dense|unbuilt] [--checkpoint_dir DIR] [--save_every_steps N] \
-        [--kill_at_step N] [--save_model]
+        [--kill_at_step N] [--save_model] [--held]
     mpirun -np 2 python tests/scripts/zero_training.py OUT_DIR --variants JSON
 
 Each rank writes OUT_DIR/rank<R>.npz (final weights) and OUT_DIR/rank<R>.json: rank, ranks,
@@ -98,6 +98,9 @@ def parse(argv):
     parser.add_argument("--save_every_steps", type=int, default=0)
     parser.add_argument("--kill_at_step", type=int)
     parser.add_argument("--save_model", action="store_true")
+    parser.add_argument("--held", action="store_true",
+                        help="zero.reshard_after_forward false: gathered weights held to the "
+                             "backward pass")
     parser.add_argument("--variants", help="JSON: {name: [args, ...]}, trained in turn")
     return parser.parse_args(argv)
 
@@ -111,7 +114,8 @@ def train(args):
 
     runner = tfdist.Runner(tfdist.load_config(overrides={
         "strategy": "horovod", "precision": args.precision, "zero_stage": args.stage,
-        "accumulation_steps": args.accumulation}))
+        "accumulation_steps": args.accumulation,
+        "zero.reshard_after_forward": not args.held}))
     import horovod.tensorflow as hvd
 
     rank, ranks = hvd.rank(), hvd.size()

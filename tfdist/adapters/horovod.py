@@ -252,7 +252,8 @@ class HorovodAdapter(Adapter):
         """At zero_stage 3, trainable variables are created as this rank's slice only
         (`tfdist.sharding.weights`)."""
         if self.config.zero_stage == 3:
-            return sharding.sharded_creation(self._shard_collectives)
+            return sharding.sharded_creation(
+                self._shard_collectives, regather=self.config.zero.reshard_after_forward)
         return contextlib.nullcontext()
 
     def gradient_reduce_fn(self) -> Callable[[list[Any]], list[Any]]:

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -125,6 +126,8 @@ def run(config: Config, *, runner: Runner | None = None) -> dict[str, Any]:
         "precision": runner.precision.name,
         "accumulation_steps": runner.config.accumulation_steps,
         "zero_stage": runner.config.zero_stage,
+        # How stage 3 gathered the weights (`zero.reshard_after_forward`).
+        "zero": dataclasses.asdict(runner.config.zero) if runner.config.zero_stage == 3 else None,
         # The devices this process spread the model over, and its stages' layer counts.
         "model_parallel": {"devices": list(runner.model_devices),
                            "micro_batches": runner.config.model_parallel.micro_batches,

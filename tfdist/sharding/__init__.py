@@ -21,7 +21,10 @@ slice of each gradient; at stage 3 it stores only its slice of the weights too:
 - **Stage 3**: each trainable variable is created as this rank's slice of it
   (`sharded_creation`, which `runner.scope()` enters), read through an all-gather
   whose gradient is the same reduce-scatter (`ShardedWeight`); the optimizer updates
-  the slices in place. Element-wise optimizers only.
+  the slices in place. Element-wise optimizers only. Each layer that creates weights
+  is a unit of them (`Unit`): its call gathers them and drops them after, and its
+  backward pass gathers them again and recomputes the call, so a rank holds one
+  layer's whole weights at a time.
 
 `sharded_optimizer(optimizer, collectives, stage)` returns an optimizer of the
 user's own class (a subclass with the same name and module, so a saved model
@@ -41,10 +44,13 @@ from tfdist.sharding.layout import Piece, ShardLayout, Slicing
 from tfdist.sharding.optimizer import (ELEMENT_WISE, WEIGHT, check_stage, find_sharded,
                                        sharded_optimizer)
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order, state_bytes
+from tfdist.sharding.units import Unit, UnitState, units_of
 from tfdist.sharding.weights import (ReduceScatteredWeight, ShardedWeight, is_sharded,
                                      sharded_creation, stored_variable)
 
-__all__ = ["ELEMENT_WISE", "OneRankCollectives", "Other", "Piece", "ReduceScatteredWeight",
-           "ShardCollectives", "ShardLayout", "ShardPart", "ShardedWeight", "Slicing", "Slot",
-           "WEIGHT", "check_stage", "find_sharded", "is_sharded", "plain_order", "sharded_creation",
-           "sharded_optimizer", "state_bytes", "stored_variable"]
+__all__ = ["ELEMENT_WISE", "OneRankCollectives", "Other", "Piece",
+           "ReduceScatteredWeight", "ShardCollectives", "ShardLayout", "ShardPart",
+           "ShardedWeight", "Slicing", "Slot", "Unit", "UnitState", "WEIGHT",
+           "check_stage", "find_sharded", "is_sharded", "plain_order",
+           "sharded_creation", "sharded_optimizer", "state_bytes", "stored_variable",
+           "units_of"]

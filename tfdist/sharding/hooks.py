@@ -20,7 +20,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator
 
 
 def held(variable: Any) -> Any:
@@ -52,3 +53,97 @@ def replace_storage(variable: Any, value: Any) -> Callable[[], None]:
         variable._value = previous
 
     return undo
+
+
+def wrap_call(layer: Any, wrapper: Callable[..., Any]) -> Callable[[], None]:
+    """Makes each call of `layer` go through `wrapper(call, *args, **kwargs)`, where
+    `call` is the layer's own.
+
+    Keras's `Layer.__call__` calls `self.call`: an attribute on the instance takes the
+    place of the class's method for this layer alone, after Keras has read the method's
+    signature (its `training` and `mask` arguments).
+
+    Args:
+        layer: A Keras layer.
+        wrapper: Called in place of the layer's `call`, with the layer's own first.
+
+    Returns:
+        The undo: the layer calls its own `call` again.
+
+    Example:
+
+        undo = wrap_call(layer, lambda call, *args, **kwargs: call(*args, **kwargs))
+        undo()
+    """
+    own = layer.call
+    had_instance_call = "call" in vars(layer)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(own, *args, **kwargs)
+
+    layer.call = call
+
+    def undo() -> None:
+        if had_instance_call:
+            layer.call = own
+        else:
+            del layer.call
+
+    return undo
+
+
+def layer_creating_variables() -> Any:
+    """The Keras layer whose `add_weight` (or `build`) is running now, or None.
+
+    Keras enters `keras.name_scope(layer.name, caller=layer)` around both; the innermost
+    scope's caller is the layer that owns a variable created now.
+    """
+    import keras
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack") or []
+    for scope in reversed(stack):
+        caller = getattr(scope, "caller", None)
+        if caller is not None:
+            # The innermost owner: a layer, or another object (an optimizer) whose
+            # variables belong to no layer.
+            return caller if isinstance(caller, keras.layers.Layer) else None
+    return None
+
+
+# What Keras's `Layer.__call__` sets around a layer's `call`, in Keras's global state: the
+# dtype its variables are read in (a mixed policy's compute dtype), and the call's context
+# (the `training` flag its inner layers inherit).
+_CALL_STATE = ("autocast_scope", "current_call_ctx")
+
+
+def keras_call_state() -> Callable[[], ContextManager[None]]:
+    """What Keras set up around the layer call running now, to re-enter around a
+    recompute of that call outside it (in the backward pass).
+
+    Returns:
+        A function of no arguments giving a context manager: inside it, Keras's autocast
+        scope and call context are the ones of now; after it, what they were before.
+
+    Example:
+
+        state = keras_call_state()      # inside a layer's call
+        with state():                   # later, in the backward pass
+            recomputed = call(*args, **kwargs)
+    """
+    from keras.src.backend.common import global_state
+
+    saved = {name: global_state.get_global_attribute(name) for name in _CALL_STATE}
+
+    @contextlib.contextmanager
+    def restored() -> Iterator[None]:
+        before = {name: global_state.get_global_attribute(name) for name in _CALL_STATE}
+        for name, value in saved.items():
+            global_state.set_global_attribute(name, value)
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                global_state.set_global_attribute(name, value)
+
+    return restored

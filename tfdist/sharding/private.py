@@ -110,6 +110,30 @@ def _keras_tf_optimizer() -> type:
     return TFOptimizer
 
 
+def _keras_name_scope() -> type:
+    from keras.src.backend.common.name_scope import name_scope
+
+    return name_scope
+
+
+def _keras_add_weight() -> Callable[..., Any]:
+    from keras.src.layers.layer import Layer
+
+    return Layer.add_weight
+
+
+def _keras_autocast_scope() -> type:
+    from keras.src.backend.common.variables import AutocastScope
+
+    return AutocastScope
+
+
+def _keras_call_context() -> type:
+    from keras.src.layers.layer import Layer
+
+    return Layer
+
+
 MEMBERS: tuple[PrivateMember, ...] = (
     PrivateMember("keras Variable", _keras_variable, "_value",
                   "the tf.Variable a Keras variable holds, swapped for a weight read "
@@ -143,6 +167,19 @@ MEMBERS: tuple[PrivateMember, ...] = (
                   "EMA weights written into the rank's slices at a fit's end"),
     PrivateMember("keras TF optimizer", _keras_tf_optimizer, "_trackable_children",
                   "leaves each rank's partition out of the chief's checkpoint"),
+    PrivateMember("keras name_scope", _keras_name_scope, "name_scope_stack",
+                  "the scopes open now, whose innermost caller is the layer creating a "
+                  "weight: its unit at stage 3 (tfdist.sharding.hooks)", how="read"),
+    PrivateMember("keras name_scope", _keras_name_scope, "caller",
+                  "the layer a scope was opened for", how="assigned"),
+    PrivateMember("keras Layer.add_weight", _keras_add_weight, "caller=self",
+                  "creates each weight inside its layer's scope", how="read"),
+    PrivateMember("keras autocast scope", _keras_autocast_scope, "autocast_scope",
+                  "the dtype a layer's call reads its weights in, re-entered around "
+                  "its recompute at stage 3", how="read"),
+    PrivateMember("keras Layer", _keras_call_context, "current_call_ctx",
+                  "the call's context (its training flag), re-entered around the "
+                  "recompute", how="read"),
 )
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -40,8 +41,10 @@ from tfdist.errors import ConfigError
 
 from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding import private
+from tfdist.sharding import hooks
 from tfdist.sharding.hooks import held, replace_storage
 from tfdist.sharding.layout import Slicing
+from tfdist.sharding.units import Unit
 
 
 class _StoredWeight:
@@ -62,6 +65,12 @@ class _StoredWeight:
         self._collectives = collectives
         self._index = index
         self.slicing = slicing  # How the weight and its gradient are cut across ranks.
+
+    @property
+    def index(self) -> int:
+        """The variable's place in creation (stage 3) or among the trainable variables
+        (stage 2): it names its collectives, identically on every rank."""
+        return self._index
 
     @property
     def size(self) -> int:
@@ -260,6 +269,9 @@ class ShardedWeight(_StoredWeight):
         # alone, and the optimizer step it belongs to (`version()` is the current step).
         self.saved: tuple[int, np.ndarray] | None = None
         self.version: Callable[[], int] | None = None
+        # The layer's unit (`tfdist.sharding.units`) that gathers this weight for its
+        # calls; None: each read gathers.
+        self.unit: Any = None
 
     @property
     def shape(self) -> tf.TensorShape:
@@ -270,8 +282,19 @@ class ShardedWeight(_StoredWeight):
         return f"{self.shard._unique_id}_sharded"
 
     def read_value(self) -> tf.Tensor:
-        """The whole value (a collective: every rank reads it, in the same order)."""
+        """The whole value: inside its unit's call, the one the unit gathered; else a
+        collective (every rank reads it, in the same order)."""
+        if self.unit is not None:
+            value = self.unit.value_of(self)
+            if value is not None:
+                return value
         return self._gathered()
+
+    def whole_from(self, piece: tf.Tensor, name: str) -> tf.Tensor:
+        """The whole value gathered from every rank's `piece` (this rank's slice), by a
+        collective named `tfdist_zero3_<name>`; differentiated by its caller."""
+        gathered = self._collectives.gather(piece, name=f"tfdist_zero3_{name}")
+        return tf.reshape(gathered[:self.size], self.whole_shape)
 
     def numpy(self) -> np.ndarray:
         """The whole value: the one saved at the end of the last fit while no step has run
@@ -308,9 +331,7 @@ class ShardedWeight(_StoredWeight):
     def _gathered(self) -> tf.Tensor:
         @tf.custom_gradient
         def whole(piece: tf.Tensor) -> Any:
-            gathered = self._collectives.gather(piece, name=f"tfdist_zero3_weight_{self._index}")
-            return (tf.reshape(gathered[:self.size], self.whole_shape),
-                    self.reduce_scatter_gradient)
+            return self.whole_from(piece, f"weight_{self._index}"), self.reduce_scatter_gradient
 
         return whole(self.shard.read_value())
 
@@ -370,6 +391,8 @@ tf.register_tensor_conversion_function(ReduceScatteredWeight, _converted)
 # Names each sharded variable's collectives: every rank creates the same variables in the
 # same order, so the k-th is the k-th on every rank.
 _creation_order = itertools.count()
+# Each layer's unit, made when the layer creates its first sharded weight.
+_units: "weakref.WeakKeyDictionary[Any, Unit]" = weakref.WeakKeyDictionary()
 
 
 def is_sharded(variable: Any) -> bool:
@@ -428,7 +451,7 @@ def reduce_scattered(variables: Sequence[Any], collectives: ShardCollectives,
 
 
 @contextlib.contextmanager
-def sharded_creation(collectives: ShardCollectives) -> Iterator[None]:
+def sharded_creation(collectives: ShardCollectives, regather: bool = True) -> Iterator[None]:
     """Trainable variables created inside are stored as this rank's slice (`ShardedWeight`).
 
     Every rank must create the same variables in the same order (as data-parallel ranks
@@ -438,6 +461,10 @@ def sharded_creation(collectives: ShardCollectives) -> Iterator[None]:
 
     Args:
         collectives: The ranks' communicator.
+        regather: Each layer creating weights becomes a unit of them
+            (`tfdist.sharding.units`): its call gathers them and drops them after, and
+            its backward pass gathers them again. False: each read of a weight gathers
+            it, and the gathered value lives until the backward pass has used it.
 
     Example:
 
@@ -462,7 +489,15 @@ def sharded_creation(collectives: ShardCollectives) -> Iterator[None]:
             shape = value.shape
             del value  # Only this rank's slice outlives the creation.
         arguments = {**kwargs, "initial_value": piece, "shape": None}
-        return ShardedWeight(next_creator(**arguments), shape, collectives, index)
+        weight = ShardedWeight(next_creator(**arguments), shape, collectives, index)
+        layer = hooks.layer_creating_variables() if regather else None
+        if layer is not None:
+            unit = _units.get(layer)
+            if unit is None:
+                unit = _units[layer] = Unit(layer)
+                unit.install()
+            unit.add(weight)
+        return weight
 
     with tf.variable_creator_scope(creator):
         yield

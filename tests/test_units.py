@@ -1,0 +1,232 @@
+"""Stage 3's units in one process, on a one-rank communicator: which layers are units,
+that gathering again in the backward pass trains exactly as holding the gathered weights
+and as plain Keras, on the model shapes users write, how often each weight is gathered,
+and what a unit refuses.
+
+The ranks' training with units (the default at stage 3) is in
+`tests/adapters/test_zero.py` and `test_two_embeddings.py`; a model larger than one
+rank's memory cap in `tests/test_memory.py`.
+"""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+from tfdist.sharding import OneRankCollectives, sharded_creation, sharded_optimizer
+from tfdist.sharding.hooks import held
+from tfdist.sharding.units import Unit, units_of
+
+BATCH, STEPS = 8, 4
+
+
+class RecordedCollectives(OneRankCollectives):
+    """The one-rank communicator, noting each collective's name in the graph it is traced in."""
+
+    def __init__(self):
+        super().__init__()
+        self.issued = collections.defaultdict(list)  # graph -> names, in issue order
+
+    def gather(self, flat, name):
+        self.issued[tf.compat.v1.get_default_graph()].append(name)
+        return super().gather(flat, name)
+
+    def reduce_scatter(self, flat, name):
+        self.issued[tf.compat.v1.get_default_graph()].append(name)
+        return super().reduce_scatter(flat, name)
+
+
+class Scaled(keras.Model):
+    """A subclassed model that owns a weight of its own besides its layers' (a unit whose
+    call holds two other units)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def build(self, input_shape):
+        self.scale = self.add_weight((8,), initializer="ones", name="scale")
+        self.hidden.build(input_shape)
+        self.out.build((None, 8))
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs) * self.scale)
+
+
+def make_model(kind):
+    keras.utils.set_random_seed(3)
+    if kind == "sequential":  # Dropout and BatchNormalization between units.
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                                 keras.layers.Dropout(0.3), keras.layers.BatchNormalization(),
+                                 keras.layers.Dense(1)])
+    if kind == "functional":  # Two inputs; one layer called twice in a step.
+        first, second = keras.Input((8,)), keras.Input((4,))
+        shared = keras.layers.Dense(3, activation="tanh")
+        joined = keras.layers.Concatenate()([shared(keras.layers.Dense(6)(first)),
+                                             shared(keras.layers.Dense(6)(second))])
+        return keras.Model([first, second], keras.layers.Dense(1)(joined))
+    if kind == "embedding":  # Integer inputs, a padding mask.
+        tokens = keras.Input((5,), dtype="int32")
+        embedded = keras.layers.Embedding(20, 8, mask_zero=True)(tokens)
+        pooled = keras.layers.GlobalAveragePooling1D()(embedded)
+        return keras.Model(tokens, keras.layers.Dense(1)(pooled))
+    model = Scaled()
+    model.build((None, 8))
+    return model
+
+
+def make_data(kind):
+    rng = np.random.default_rng(1)
+    count = BATCH * STEPS
+    targets = rng.normal(size=(count, 1)).astype("float32")
+    if kind == "functional":
+        return [rng.normal(size=(count, 8)).astype("float32"),
+                rng.normal(size=(count, 4)).astype("float32")], targets
+    if kind == "embedding":
+        return rng.integers(0, 20, size=(count, 5)).astype("int32"), targets
+    return rng.normal(size=(count, 8)).astype("float32"), targets
+
+
+OPTIMIZERS = {"sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+              "adam": lambda: keras.optimizers.Adam(0.01)}
+
+
+def train(kind, optimizer, how, collectives=None, policy="float32"):
+    """(final weights, model, collectives) of 2 epochs: "plain" Keras, or stage 3 "held"
+    (each gathered weight kept to the backward) or "regathered" (units)."""
+    keras.backend.clear_session()
+    keras.config.set_dtype_policy(policy)  # conftest restores the default after the test
+    collectives = collectives or RecordedCollectives()
+    if how == "plain":
+        model, made = make_model(kind), OPTIMIZERS[optimizer]()
+    else:
+        with sharded_creation(collectives, regather=how == "regathered"):
+            model = make_model(kind)
+        made = sharded_optimizer(OPTIMIZERS[optimizer](), collectives, 3)
+    model.compile(made, "mse")
+    if how != "plain":  # the sharded optimizer (inside a LossScaleOptimizer under float16)
+        model.optimizer.build(model.trainable_variables)
+    inputs, targets = make_data(kind)
+    model.fit(inputs, targets, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()], model, collectives
+
+
+def largest_difference(first, second):
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(first, second))
+
+
+def test_each_layer_that_creates_weights_is_a_unit_of_its_own():
+    with sharded_creation(OneRankCollectives()):
+        model = make_model("sequential")
+    units = units_of(model)
+    assert [unit.name for unit in units] == ["dense", "batch_normalization", "dense_1"]
+    assert [len(unit.weights) for unit in units] == [2, 2, 2]
+    assert all(held(v).unit.name == v.path.split("/")[-2] for v in model.trainable_variables)
+    with sharded_creation(OneRankCollectives(), regather=False):
+        assert units_of(make_model("sequential")) == []
+
+
+# Every model shape with SGD (whose update follows the gradient's scale); Adam where it
+# differs from plain Keras (sparse rows) and on the model with state between its units.
+@pytest.mark.parametrize("kind, optimizer", [
+    ("sequential", "sgd_momentum"), ("sequential", "adam"), ("functional", "sgd_momentum"),
+    ("embedding", "sgd_momentum"), ("embedding", "adam"), ("subclassed", "sgd_momentum")])
+def test_gathering_again_trains_as_holding_the_gathered_weights_and_as_plain_keras(kind,
+                                                                                   optimizer):
+    regathered, model, _ = train(kind, optimizer, "regathered")
+    assert units_of(model)
+    held_weights, _, _ = train(kind, optimizer, "held")
+    # A layer called twice sums its two gradients' slices in another order (1 ulp).
+    assert largest_difference(regathered, held_weights) < 1e-6
+    plain, _, _ = train(kind, optimizer, "plain")
+    if kind == "embedding" and optimizer == "adam":
+        # Plain Keras's Adam updates only the rows a sparse gradient names (its moments
+        # of the other rows do not decay): tfdist's dense update is the exact one.
+        assert largest_difference(regathered, plain) > 1e-3
+    else:
+        assert largest_difference(regathered, plain) < 1e-6
+
+
+def test_under_mixed_float16_the_recompute_computes_in_float16_as_the_forward():
+    # The recompute runs outside Keras's __call__, which set the dtype the layer reads its
+    # weights in: float32 weights there would change its result (or fail to multiply).
+    regathered, _, _ = train("sequential", "adam", "regathered", policy="mixed_float16")
+    held_weights, _, _ = train("sequential", "adam", "held", policy="mixed_float16")
+    assert largest_difference(regathered, held_weights) == 0.0
+
+
+def test_each_weight_is_gathered_twice_and_reduce_scattered_once_per_step():
+    _, model, collectives = train("sequential", "sgd_momentum", "regathered")
+    step = max(collectives.issued.values(), key=len)  # the train step's graph
+    counts = collections.Counter(step)
+    dense = [held(v).index for v in model.trainable_variables
+             if "batch_normalization" not in v.path]
+    norm = [held(v).index for v in model.trainable_variables if "batch_normalization" in v.path]
+    for index in dense:  # units: the forward's gather and the backward's, then the gradient
+        assert [counts[f"tfdist_zero3_unit_forward_{index}"],
+                counts[f"tfdist_zero3_unit_backward_{index}"],
+                counts[f"tfdist_zero3_gradient_{index}"],
+                counts[f"tfdist_zero3_weight_{index}"]] == [1, 1, 1, 0], index
+    for index in norm:  # state of its own: gathered once, held to the backward
+        assert [counts[f"tfdist_zero3_unit_forward_{index}"],
+                counts[f"tfdist_zero3_weight_{index}"],
+                counts[f"tfdist_zero3_gradient_{index}"]] == [0, 1, 1], index
+    assert len(step) == 3 * len(dense) + 2 * len(norm)
+
+
+def test_a_layer_called_twice_in_a_step_gathers_for_each_call():
+    _, model, collectives = train("functional", "sgd_momentum", "regathered")
+    step = collections.Counter(max(collectives.issued.values(), key=len))
+    shared = next(layer for layer in model.layers if len(layer._inbound_nodes) == 2)
+    for variable in shared.trainable_variables:
+        index = held(variable).index
+        assert [step[f"tfdist_zero3_unit_forward_{index}"],
+                step[f"tfdist_zero3_unit_backward_{index}"],
+                step[f"tfdist_zero3_gradient_{index}"]] == [2, 2, 2]
+
+
+def test_predict_and_evaluate_gather_each_weight_once_with_no_gradient():
+    _, model, collectives = train("sequential", "sgd_momentum", "regathered")
+    collectives.issued.clear()
+    inputs, targets = make_data("sequential")
+    model.evaluate(inputs, targets, batch_size=BATCH, verbose=0)
+    names = [name for issued in collectives.issued.values() for name in issued]
+    assert names and all(name.startswith("tfdist_zero3_weight_") for name in names)
+
+
+class Noisy(keras.layers.Layer):
+    """Draws from TensorFlow's global random state in its call: a recompute would draw
+    other numbers."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight((input_shape[-1], 1))
+
+    def call(self, inputs):
+        return tf.matmul(inputs + tf.random.uniform(tf.shape(inputs)), self.kernel)
+
+
+def test_a_unit_whose_call_draws_from_hidden_state_is_refused_in_one_line():
+    with sharded_creation(OneRankCollectives()):
+        model = keras.Sequential([keras.Input((8,)), Noisy(name="noisy")])
+    optimizer = sharded_optimizer(keras.optimizers.SGD(0.1), OneRankCollectives(), 3)
+    model.compile(optimizer, "mse")
+    optimizer.build(model.trainable_variables)
+    inputs, targets = make_data("sequential")
+    with pytest.raises(ConfigError, match="layer 'noisy' draws random numbers or writes a "
+                                          "variable in its call.*RandomUniform"):
+        model.fit(inputs, targets, batch_size=BATCH, epochs=1, verbose=0)
+
+
+def test_a_units_undo_gives_the_layer_its_own_call_back():
+    with sharded_creation(OneRankCollectives()):
+        layer = keras.layers.Dense(2)
+        layer.build((None, 3))
+    unit = held(layer.kernel).unit
+    assert isinstance(unit, Unit) and "call" in vars(layer)
+    unit.undo()
+    assert "call" not in vars(layer) and held(layer.kernel).unit is None
+    assert layer.call.__func__ is keras.layers.Dense.call

@@ -1,0 +1,222 @@
+"""ZeRO stage 3's units: a layer's weights gathered for its call, dropped after it, and
+gathered again in the backward pass (FSDP's `reshard_after_forward`).
+
+At stage 3 each rank stores 1/N of every weight (`ShardedWeight`). A plain read of one
+is an all-gather whose result the backward pass needs (the layer's gradient reads the
+weight), so TensorFlow keeps every gathered weight from its forward use to its
+backward one: at the peak each rank holds the whole model's weights. A unit breaks that
+chain. Each layer that creates trainable weights under `sharded_creation` is a unit of
+its own weights, and its call runs under a custom gradient:
+
+- forward: gather the unit's weights (after its inputs exist, so that the gathers do
+  not all fire at the step's start), call the layer, drop the gathered copies;
+- backward: gather them again (after the incoming gradient exists), recompute the
+  layer's forward under a tape of its own, return its inputs' gradients, and
+  reduce-scatter each weight's gradient to this rank's slice.
+
+The recompute must replay the forward exactly. A layer with non-trainable variables
+(BatchNormalization's statistics, a Dropout's or any random layer's seed state) updates
+them in its call, and a second call would update them again or draw other numbers, so
+such a layer is no unit: its weights are read as before, one gather held from forward
+to backward. A unit whose traced call still holds a stateful op (a TensorFlow random op,
+a variable's assign) is refused with one line naming it.
+
+The recompute costs about one more forward pass of each unit. A weight read by another
+layer than its own (a tied embedding) is gathered for that read alone, as before.
+
+Example:
+
+    with sharded_creation(collectives, regather=True):
+        model = build_model()      # each Dense is a unit of its kernel and bias
+    units_of(model)                # [<Unit dense: 2 weights, sharded>, ...]
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+from tensorflow.python.eager import record
+
+from tfdist.errors import ConfigError
+from tfdist.sharding import hooks
+
+# TensorFlow ops whose second run differs from their first: random draws from a hidden
+# state, and writes to variables. A unit's recompute replays its forward, so its call
+# must hold none of them.
+_STATEFUL_OPS = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "RandomGamma", "RandomPoisson", "RandomPoissonV2", "RandomShuffle", "Multinomial",
+    "ParameterizedTruncatedNormal", "StatefulUniform", "StatefulUniformInt",
+    "StatefulUniformFullInt", "StatefulStandardNormalV2", "StatefulTruncatedNormal",
+    "RngSkip", "RngReadAndSkip", "AssignVariableOp", "AssignAddVariableOp",
+    "AssignSubVariableOp", "ResourceScatterUpdate", "ResourceScatterAdd"})
+
+
+class UnitState(enum.Enum):
+    """Where a unit's weights are: as this rank's slices, or gathered whole for a call."""
+
+    SHARDED = "sharded"
+    GATHERED = "gathered"
+
+
+class Unit:
+    """One layer's own sharded weights, gathered for each of its calls and after it
+    dropped; its backward pass gathers them again and recomputes the call.
+
+    Created by `sharded_creation` for each layer that creates a trainable weight there;
+    its call wrapper is installed with `tfdist.sharding.hooks.wrap_call` and undone by
+    `undo()`.
+
+    Args:
+        layer: The Keras layer.
+
+    Example:
+
+        unit = Unit(layer)
+        unit.add(weight)       # a ShardedWeight the layer created
+        unit.install()         # from now on, the layer's calls gather, call and drop
+    """
+
+    def __init__(self, layer: Any):
+        self._layer = weakref.ref(layer)
+        self.name = layer.name
+        self.weights: list[Any] = []  # ShardedWeights, in creation order.
+        self.state = UnitState.SHARDED
+        self._values: dict[int, tf.Tensor] = {}  # id(weight) -> its gathered value.
+        self._undo: Callable[[], None] | None = None
+        self.checked_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def add(self, weight: Any) -> None:
+        """Makes `weight` (a ShardedWeight the layer created) one of the unit's."""
+        self.weights.append(weight)
+        weight.unit = self
+
+    def install(self) -> None:
+        """Wraps the layer's call (once)."""
+        if self._undo is None:
+            self._undo = hooks.wrap_call(self._layer(), self._call)
+
+    def undo(self) -> None:
+        """The layer calls as before: each read of a weight is a gather held to its backward."""
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+        for weight in self.weights:
+            weight.unit = None
+
+    def value_of(self, weight: Any) -> tf.Tensor | None:
+        """The gathered value of `weight` while the unit is gathered, else None (a read
+        outside the unit's call gathers for itself)."""
+        if self.state is UnitState.GATHERED:
+            return self._values.get(id(weight))
+        return None
+
+    def _gathered(self, shards: Sequence[tf.Tensor], after: Sequence[tf.Tensor],
+                  direction: str) -> list[tf.Tensor]:
+        """Each weight's whole value, gathered once every tensor in `after` exists."""
+        with tf.control_dependencies([t for t in after if t is not None]):
+            return [weight.whole_from(shard, f"unit_{direction}_{weight.index}")
+                    for weight, shard in zip(self.weights, shards)]
+
+    def _calling(self, call: Callable[..., Any], values: Sequence[tf.Tensor],
+                 args: Any, kwargs: Any) -> Any:
+        """`call(*args, **kwargs)` with the unit's weights read as `values`."""
+        self._values = {id(w): value for w, value in zip(self.weights, values)}
+        self.state = UnitState.GATHERED
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.state = UnitState.SHARDED
+            self._values = {}
+
+    def _call(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        layer = self._layer()
+        if (not record.could_possibly_record() or tf.executing_eagerly()
+                or self.state is UnitState.GATHERED or layer.non_trainable_variables):
+            # No tape (inference, a symbolic call), eager code (a debugging step), the
+            # unit's own call nested in itself, or state the recompute would update twice:
+            # the weights are read as before.
+            return call(*args, **kwargs)
+        structure = (args, kwargs)
+        flat = tf.nest.flatten(structure)
+        # Only floating tensors are differentiated through; the others (token ids, masks)
+        # reach the recompute as they are.
+        where = [i for i, item in enumerate(flat)
+                 if tf.is_tensor(item) and item.dtype.is_floating]
+
+        def rebuilt(tensors: Sequence[tf.Tensor]) -> tuple[Any, Any]:
+            items = list(flat)
+            for i, tensor in zip(where, tensors):
+                items[i] = tensor
+            return tf.nest.pack_sequence_as(structure, items)
+
+        count = len(where)
+        graph = tf.compat.v1.get_default_graph()
+        # The recompute runs outside Keras's `__call__`: it re-enters the dtype the
+        # forward read the weights in and the `training` its inner layers inherited.
+        keras_state = hooks.keras_call_state()
+
+        @tf.custom_gradient
+        def unit_call(*tensors: tf.Tensor) -> Any:
+            inputs, shards = tensors[:count], tensors[count:]
+            first_op = len(graph.get_operations())
+            a, k = rebuilt(inputs)
+            outputs = self._calling(call, self._gathered(shards, inputs, "forward"), a, k)
+            self._check_replayable(graph, first_op)
+
+            def grad(*upstream: tf.Tensor, variables: Sequence[Any] | None = None) -> Any:
+                variables = list(variables or [])
+                again = self._gathered(shards, upstream, "backward")
+                with tf.GradientTape() as tape, keras_state():
+                    tape.watch([*inputs, *again])
+                    a, k = rebuilt(inputs)
+                    recomputed = self._calling(call, again, a, k)
+                targets = tf.nest.flatten(recomputed)
+                sources = [*inputs, *again, *variables]
+                grads = tape.gradient(targets, sources, output_gradients=list(upstream))
+                # Each weight's gradient as this rank's averaged slice, as soon as it exists.
+                sliced = [None if g is None else weight.reduce_scatter_gradient(g)
+                          for weight, g in zip(self.weights, grads[count:count + len(again)])]
+                return [*grads[:count], *sliced], list(grads[count + len(again):])
+
+            return outputs, grad
+
+        return unit_call(*[flat[i] for i in where],
+                         *[weight.shard.read_value() for weight in self.weights])
+
+    def _check_replayable(self, graph: Any, first_op: int) -> None:
+        """Raises ConfigError if the unit's traced call holds a stateful op."""
+        if graph in self.checked_graphs:
+            return
+        self.checked_graphs.add(graph)
+        stateful = sorted({op.type for op in graph.get_operations()[first_op:]
+                           if op.type in _STATEFUL_OPS})
+        if stateful:
+            raise ConfigError(f"zero_stage 3 recomputes each layer's call in the backward pass "
+                              f"(zero.reshard_after_forward), which must replay the forward, "
+                              f"but layer {self.name!r} draws random numbers or writes a "
+                              f"variable in its call without a Keras seed or state variable; "
+                              f"use keras.random with a keras.random.SeedGenerator, or set "
+                              f"zero.reshard_after_forward false. Received: ops "
+                              f"{', '.join(stateful)}")
+
+    def __repr__(self) -> str:
+        return f"<Unit {self.name}: {len(self.weights)} weights, {self.state.value}>"
+
+
+def owning_layer() -> Any:
+    """The Keras layer creating a variable now (inside its `add_weight` or `build`), or None."""
+    return hooks.layer_creating_variables()
+
+
+def units_of(model: Any) -> list[Unit]:
+    """The units of a model's layers, in the order their weights were created."""
+    units: dict[int, Unit] = {}
+    for variable in model.trainable_variables:
+        unit = getattr(hooks.held(variable), "unit", None)
+        if unit is not None:
+            units.setdefault(id(unit), unit)
+    return list(units.values())
