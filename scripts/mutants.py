@@ -58,6 +58,18 @@ MUTANTS = [
            "return start, min(start + self.width, self.size)",
            "return start, min(start + self.width - 1, self.size)",
            ("tests/test_sharding.py", "-k", "slicing or layout_says or cut_each")),
+    Mutant("zero3_units_never_regather",
+           "stage 3: no layer's call gathers and drops its weights (each gathered weight "
+           "held to the backward: the whole model at the peak)", "tfdist/sharding/units.py",
+           "or self.state is UnitState.GATHERED or layer.non_trainable_variables):",
+           "or self.state is UnitState.GATHERED or layer.trainable_variables):",
+           ("tests/test_units.py", "-k", "gathered_twice")),
+    Mutant("zero3_recompute_outside_keras_call_state",
+           "stage 3: the backward's recompute of a layer reads its weights in float32 "
+           "under a mixed policy", "tfdist/sharding/units.py",
+           "with tf.GradientTape() as tape, keras_state():",
+           "with tf.GradientTape() as tape:",
+           ("tests/test_units.py", "-k", "mixed_float16")),
     Mutant("horovod_batch_check_removed", "horovod trains a batch that does not divide",
            "tfdist/adapters/horovod.py",
            "        check_global_batch_size(global_batch_size, size)\n"
