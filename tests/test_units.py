@@ -142,13 +142,13 @@ def test_gathering_again_trains_as_holding_the_gathered_weights_and_as_plain_ker
     held_weights, _, _ = train(kind, optimizer, "held")
     # A layer called twice sums its two gradients' slices in another order (1 ulp).
     assert largest_difference(regathered, held_weights) < 1e-6
-    plain, _, _ = train(kind, optimizer, "plain")
     if kind == "embedding" and optimizer == "adam":
-        # Plain Keras's Adam updates only the rows a sparse gradient names (its moments
-        # of the other rows do not decay): tfdist's dense update is the exact one.
-        assert largest_difference(regathered, plain) > 1e-3
-    else:
-        assert largest_difference(regathered, plain) < 1e-6
+        # Plain Keras's Adam on a sparse gradient updates the rows it names alone, unless
+        # tfdist's exact-update patch is applied in this process (by an earlier test, in
+        # whatever order they run): only the stage-3 runs are compared.
+        return
+    plain, _, _ = train(kind, optimizer, "plain")
+    assert largest_difference(regathered, plain) < 1e-6
 
 
 def test_under_mixed_float16_the_recompute_computes_in_float16_as_the_forward():
