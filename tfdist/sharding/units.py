@@ -207,11 +207,6 @@ class Unit:
         return f"<Unit {self.name}: {len(self.weights)} weights, {self.state.value}>"
 
 
-def owning_layer() -> Any:
-    """The Keras layer creating a variable now (inside its `add_weight` or `build`), or None."""
-    return hooks.layer_creating_variables()
-
-
 def units_of(model: Any) -> list[Unit]:
     """The units of a model's layers, in the order their weights were created."""
     units: dict[int, Unit] = {}
