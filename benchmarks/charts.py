@@ -103,16 +103,19 @@ def plot_all(results: dict[str, dict], plots_dir: str) -> dict[str, str]:
     if ok("zero"):
         result = results["zero"]
         settings = result["settings"]
-        figure, (state, rss) = plt.subplots(1, 2, figsize=(8, 3.6))
+        figure, (state, peak) = plt.subplots(1, 2, figsize=(10, 3.8))
         labels = list(settings)
+        millions = result["parameters"] / 1e6
         state.bar(labels, [max(r["state_bytes"] for r in settings[key]) / 2**20
                            for key in labels])
         state.set(ylabel="optimizer MB per rank", xlabel="ranks x zero_stage",
-                  title="Optimizer state (Adam, 50 M parameters)")
-        rss.bar(labels, [max(r["steps_peak_bytes"] for r in settings[key]) / 2**20
-                         for key in labels])
-        rss.set(ylabel="allocator peak MB per rank", xlabel="ranks x zero_stage",
-                title="Peak memory during the steps")
+                  title=f"Optimizer state (Adam, {millions:.1f} M parameters)")
+        peak.bar(labels, [max(r["steps_peak_bytes"] for r in settings[key])
+                          / result["parameters"] for key in labels])
+        peak.set(ylabel="allocator peak, bytes per parameter", xlabel="ranks x zero_stage",
+                 title="Peak memory per rank during the steps (3held: stage 3 holding)")
+        for axes in (state, peak):
+            axes.tick_params(axis="x", labelrotation=60, labelsize=7)
         save("zero", figure)
     if ok("pipeline"):
         result = results["pipeline"]

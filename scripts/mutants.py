@@ -70,6 +70,19 @@ MUTANTS = [
            "with tf.GradientTape() as tape, keras_state():",
            "with tf.GradientTape() as tape:",
            ("tests/test_units.py", "-k", "mixed_float16")),
+    Mutant("zero3_built_in_fit_without_creation_scope",
+           "stage 3: a model built on its first batch in fit is built whole (its weights "
+           "not slices, its layers no units)", "tfdist/patches/keras_trainer.py",
+           "        with optimizer.creation_scope(self):",
+           "        if True:  # no creation scope",
+           ("tests/test_units.py", "-k", "first_batch")),
+    Mutant("zero3_orphan_weights_join_no_unit",
+           "stage 3: a weight Keras creates after its layer's build (a subclassed model "
+           "built by a call) joins the outer layer's unit, or none",
+           "tfdist/sharding/weights.py",
+           "        for layer, weights in hooks.own_weights(searched):",
+           "        for layer, weights in [(searched, searched.trainable_variables)]:",
+           ("tests/test_units.py", "-k", "first_batch")),
     Mutant("horovod_batch_check_removed", "horovod trains a batch that does not divide",
            "tfdist/adapters/horovod.py",
            "        check_global_batch_size(global_batch_size, size)\n"

@@ -16,7 +16,9 @@ import pytest
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
-from tfdist.sharding import OneRankCollectives, sharded_creation, sharded_optimizer
+from tfdist.patches import keras_trainer
+from tfdist.sharding import (OneRankCollectives, is_sharded, sharded_creation,
+                             sharded_optimizer)
 from tfdist.sharding.hooks import held
 from tfdist.sharding.units import Unit, units_of
 
@@ -230,3 +232,29 @@ def test_a_units_undo_gives_the_layer_its_own_call_back():
     unit.undo()
     assert "call" not in vars(layer) and held(layer.kernel).unit is None
     assert layer.call.__func__ is keras.layers.Dense.call
+
+
+def built_in_fit(sharded):
+    """(final weights, model) of 2 epochs of a model with no keras.Input under a one-device
+    strategy, as the horovod adapter's: Keras builds it on its first batch inside fit."""
+    keras.backend.clear_session()
+    collectives = RecordedCollectives()
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        optimizer = OPTIMIZERS["sgd_momentum"]()
+        model.compile(sharded_optimizer(optimizer, collectives, 3) if sharded else optimizer,
+                      "mse")
+    inputs, targets = make_data("sequential")
+    model.fit(inputs, targets, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()], model
+
+
+def test_a_model_built_on_its_first_batch_in_fit_is_made_of_slices_and_units():
+    with keras_trainer.ZERO_BUILD_IN_CREATION_SCOPE.applied():
+        weights, model = built_in_fit(sharded=True)
+        plain, _ = built_in_fit(sharded=False)
+    assert all(is_sharded(v) for v in model.trainable_variables)
+    assert [unit.name for unit in units_of(model)] == ["dense", "dense_1"]
+    assert largest_difference(weights, plain) < 1e-6

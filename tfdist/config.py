@@ -175,6 +175,13 @@ class HorovodConfig:
         "Shut Horovod down when a rank has not joined a collective the others wait in for "
         "this long, so a stuck rank becomes an error instead of a hang (0: wait forever).",
         bound=_SECONDS)
+    cycle_time_ms: float | None = _field(
+        None, "Milliseconds between Horovod's background cycles (HOROVOD_CYCLE_TIME); a "
+              "collective waits for the next cycle to start. Unset: 0.1 at zero_stage 2 "
+              "and 3, whose collectives (a few per layer) go one after another, each waiting "
+              "a cycle (benchmarks/zero.py), else Horovod's own (1). An exported "
+              "HOROVOD_CYCLE_TIME wins.",
+        bound=_above(0, "a number of milliseconds > 0, or unset"))
 
 
 @dataclasses.dataclass(frozen=True)

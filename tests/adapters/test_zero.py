@@ -64,6 +64,18 @@ SGD = "sgd_momentum"
 EQUIVALENT.update({
     f"s{stage}_accumulate_sgd": ([f"--stage={stage}", f"--optimizer={SGD}", "--accumulation=2"],
                                  SGD) for stage in (1, 2, 3)})
+# Users' model shapes, each trained at stage 3 with Adam and with SGD; "deferred" has no
+# keras.Input: it is built on its first batch in fit, each rank from its own seed.
+EQUIVALENT.update({
+    f"s3_{model}{suffix}": (["--stage=3", f"--optimizer={optimizer}", f"--model={model}"],
+                            optimizer, model)
+    for model in ("two_inputs", "subclassed", "deferred")
+    for suffix, optimizer in (("", "adam_clip"), ("_sgd", SGD))})
+# Dropout, BatchNormalization and a layer that drops inside its own call, at stage 3
+# gathering again and holding: the same run, since the recompute must replay the forward.
+RECOMPUTE = {f"s3_dropout_bn{suffix}": (["--stage=3", "--optimizer=adam_clip",
+                                         "--model=dropout_bn", *held],)
+             for suffix, held in (("", []), ("_held", ["--held"]))}
 ONLY_ON_2 = {
     **HELD,
     "s2_clipnorm": (["--stage=2", "--optimizer=adam_clipnorm"], "adam_clipnorm"),
@@ -148,7 +160,7 @@ def two(tmp_path_factory):
     saving.update({f"s2_accumulate_to_3{suffix}": (
         [*checkpointed(out, f"s2_accumulate_to_3{suffix}", 2, optimizer)[0], "--accumulation=2"],)
         for suffix, optimizer in OPTIMIZERS.items()})
-    killed = launch(out, {**EQUIVALENT, **ONLY_ON_2, **FP16_RUNS, **saving,
+    killed = launch(out, {**EQUIVALENT, **ONLY_ON_2, **FP16_RUNS, **RECOMPUTE, **saving,
                           "s2_save": (["--stage=2", "--optimizer=adam_clip", "--save_model"],),
                           "s3_save": (["--stage=3", "--optimizer=adam_clip", "--save_model"],),
                           "killed": (killed_run(out)[0],)}, 2, expect_success=False)
@@ -247,6 +259,31 @@ def test_two_ranks_equal_one_device(two, name):
     _, optimizer, *model = {**EQUIVALENT, **ONLY_ON_2}[name]
     reports = check_equivalent(two, name, optimizer, 2, *model)
     assert [reports[r]["iterations"] for r in (0, 1)] == [12, 12]
+
+
+@pytest.mark.parametrize("model", ["two_inputs", "subclassed", "deferred"])
+def test_stage_3_gathers_each_layer_of_users_models_again(two, three, model):
+    # Equal to one device above; and through each layer's unit, not a read held to the
+    # backward pass (the model built in fit too: its weights made as slices there).
+    expected = {"two_inputs": 4, "subclassed": 3, "deferred": 3}[model]  # layers with weights
+    for out, ranks in ((two, 2), (three, 3)):
+        reports, _ = ranks_of(out / f"s3_{model}", ranks)
+        assert [len(reports[r]["units"]) for r in range(ranks)] == [expected] * ranks, reports
+
+
+def test_the_recompute_replays_dropout_and_batch_normalization(two):
+    gathered_again, gathered_again_weights = ranks_of(two / "s3_dropout_bn", 2)
+    held, held_weights = ranks_of(two / "s3_dropout_bn_held", 2)
+    assert [len(held[r]["units"]) for r in (0, 1)] == [0, 0]
+    # Every layer with weights is a unit; BatchNormalization's and the dropping layer's
+    # calls, whose state a recompute would update again, read their weights as when held.
+    assert gathered_again[0]["units"] == gathered_again[1]["units"]
+    assert len(gathered_again[0]["units"]) == 5
+    for rank in (0, 1):
+        # The moving statistics are among the weights: updated once per step in both.
+        assert largest_difference(gathered_again_weights[rank], held_weights[rank]) < 1e-6
+    moving_mean, moving_variance = held_weights[0][5:7]
+    assert np.max(np.abs(moving_mean)) > 1e-3 and np.max(np.abs(moving_variance - 1)) > 1e-3
 
 
 def test_evaluate_after_a_stage_3_fit_equals_one_device_on_every_rank(two, three):
@@ -395,8 +432,6 @@ def test_model_save_writes_the_whole_state_and_plain_keras_loads_it(two, tmp_pat
 
 
 REFUSALS = {
-    "built_in_fit": (["--model=unbuilt"], "zero_stage 3 stores each trainable variable as 1/N "
-                                          "per rank from its creation, under runner.scope()"),
     "accumulation_with_checkpoints": (["--accumulation=2", "--checkpoint_dir={tmp}/new"],
                                       "checkpoints of zero_stage 3 with accumulation_steps > 1 "
                                       "are not written yet"),
@@ -424,11 +459,20 @@ runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "horovod", "zer
 with runner.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="out")])
     model.compile(runner.optimizer(keras.optimizers.Adam(0.01)), "mse")
+data = runner.dataset(tf.data.Dataset.from_tensor_slices(
+    (np.zeros((8, 4), "float32"), np.zeros((8, 3), "float32"))), 8)
+
+
+def layer_made_before_the_scope():
+    made_before = keras.layers.Dense(3)
+    made_before.build((None, 4))
+    with runner.scope():
+        other = keras.Sequential([keras.Input((4,)), made_before])
+        other.compile(runner.optimizer(keras.optimizers.SGD(0.1)), "mse")
+    other.fit(data, epochs=1, verbose=0, callbacks=runner.callbacks())
 
 
 def fit_then_load_another_optimizers_state():
-    data = runner.dataset(tf.data.Dataset.from_tensor_slices(
-        (np.zeros((8, 4), "float32"), np.zeros((8, 3), "float32"))), 8)
     model.fit(data, epochs=1, verbose=0, callbacks=runner.callbacks())
     model.optimizer.load_own_variables({"0": np.zeros(1)})
 
@@ -438,12 +482,16 @@ for name, attempt in {
         "load_state_before_fit": lambda: model.optimizer.load_own_variables({"0": np.zeros(1)}),
         "export_before_fit": lambda: model.export("exported"),
         "tf_saved_model_save": lambda: tf.saved_model.save(model, "saved_model"),
+        "layer_made_before_the_scope": layer_made_before_the_scope,
         "load_another_optimizers_state": fit_then_load_another_optimizers_state}.items():
     try:
         attempt()
         print(json.dumps({name: None}))
     except tfdist.ConfigError as error:
         print(json.dumps({name: str(error)}))
+# Horovod's cycle, shortened for stage 3's collectives, which go one after another.
+import os
+print(json.dumps({"cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME")}))
 """
 
 
@@ -466,6 +514,11 @@ def test_what_stage_3_weights_cannot_do_is_one_line(tmp_path):
         "model.export at zero_stage 3 exports the whole weights kept at the end of fit")
     assert said["tf_saved_model_save"].startswith(
         "a SavedModel of a zero_stage 3 model needs its whole weights")
+    assert said["layer_made_before_the_scope"].startswith(
+        "zero_stage 3 stores each trainable variable as 1/N per rank from its creation, under "
+        "runner.scope(), but 2 variable(s) were created outside it (a layer made before the "
+        "scope)")
+    assert said["cycle_time_ms"] == "0.1"
     assert said["load_another_optimizers_state"].startswith(
         "the saved optimizer state has 1 variables, where this Adam built on these weights "
         "has 6")

@@ -4,7 +4,8 @@ Run by tests under `mpirun -np 2` or `-np 3`:
 
     mpirun -np 2 python tests/scripts/zero_training.py OUT_DIR --stage 2 --optimizer adam_clip \
         [--steps N] [--epochs N] [--accumulation K] [--precision P] [--inf_at_step S] \
-        [--model embedding|deferred|dense|unbuilt] [--checkpoint_dir DIR] [--save_every_steps N] \
+        [--model embedding|deferred|dense|two_inputs|subclassed|dropout_bn] \
+        [--checkpoint_dir DIR] [--save_every_steps N] \
         [--kill_at_step N] [--save_model] [--held]
     mpirun -np 2 python tests/scripts/zero_training.py OUT_DIR --variants JSON
 
@@ -53,19 +54,71 @@ def optimizers():
     }
 
 
+@keras.saving.register_keras_serializable("zero_training")
+class Classifier(keras.Model):
+    """The reference model written as a subclass, its layers made in __init__."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.table = keras.layers.Embedding(reference.VOCABULARY, 8)
+        self.flatten = keras.layers.Flatten()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(reference.CLASSES)
+
+    def call(self, tokens):
+        return keras.ops.softmax(self.out(self.hidden(self.flatten(self.table(tokens)))))
+
+
+class DenseWithDropout(keras.layers.Layer):
+    """A user's layer that drops some of its inputs inside its own call (a seed
+    generator's state beside its kernel)."""
+
+    def __init__(self, units, rate, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.rate = units, rate
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight((input_shape[-1], self.units), name="kernel")
+
+    def call(self, inputs, training=False):
+        if training:
+            inputs = keras.random.dropout(inputs, self.rate, seed=self.seed_generator)
+        return keras.ops.matmul(inputs, self.kernel)
+
+
 def make_model(kind):
     """The reference model with an Embedding (sparse gradients); "deferred": the same layers
     with no `keras.Input`, built on their first batch inside `fit` (as Horovod's examples
-    write models); or one Dense layer (2 variables: a third rank owns none at stage 1)."""
+    write models); one Dense layer (2 variables: a third rank owns none at stage 1);
+    "two_inputs": a functional model of token ids and float features; "subclassed": the
+    reference model as a keras.Model subclass; "dropout_bn": Dropout, BatchNormalization
+    and a layer that drops inside its own call, between the reference model's layers."""
     if kind == "embedding":
         return reference.make_model(embedding=True)
+    if kind == "two_inputs":
+        tokens = keras.Input((reference.FEATURES,), dtype="int32", name="tokens")
+        values = keras.Input((reference.FEATURES,), name="values")
+        embedded = keras.layers.Flatten()(keras.layers.Embedding(reference.VOCABULARY, 8)(tokens))
+        joined = keras.layers.Concatenate()([embedded, keras.layers.Dense(8)(values)])
+        hidden = keras.layers.Dense(16, activation="relu")(joined)
+        outputs = keras.layers.Activation("softmax")(keras.layers.Dense(reference.CLASSES)(hidden))
+        return keras.Model({"tokens": tokens, "values": values}, outputs)
+    if kind == "subclassed":  # Built as users build one: called on a batch.
+        model = Classifier()
+        model(np.zeros((1, reference.FEATURES), "int32"))
+        return model
+    if kind == "dropout_bn":
+        return keras.Sequential([
+            keras.Input((reference.FEATURES,), dtype="int32"),
+            keras.layers.Embedding(reference.VOCABULARY, 8), keras.layers.Flatten(),
+            keras.layers.Dense(16, activation="relu"), keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.3), DenseWithDropout(16, 0.3),
+            keras.layers.Dense(reference.CLASSES, activation="softmax")])
     if kind == "deferred":
         # New layers (those of a model with a keras.Input would be built already, their
         # weights drawn from whatever state the process's random generator was in).
         return keras.Sequential(reference.make_model(embedding=True, with_input=False).layers)
-    if kind == "unbuilt":  # Layers that create their variables in fit, on the first batch.
-        return keras.Sequential([keras.layers.Embedding(reference.VOCABULARY, 8),
-                                 keras.layers.Flatten(), keras.layers.Dense(reference.CLASSES)])
     return keras.Sequential([keras.Input((reference.FEATURES,)),
                              keras.layers.Dense(reference.CLASSES, name="out"),
                              keras.layers.Activation("softmax", dtype="float32")])
@@ -78,8 +131,12 @@ def initial_weights(kind):
 
 def examples(kind, steps, inf_at_step=None):
     inf_at = None if inf_at_step is None else (inf_at_step + 1) * GLOBAL_BATCH - 1
-    return reference.examples(steps * GLOBAL_BATCH, embedding=kind != "dense",
-                              inf_at=inf_at)
+    features, labels = reference.examples(steps * GLOBAL_BATCH, embedding=kind != "dense",
+                                          inf_at=inf_at)
+    if kind == "two_inputs":
+        values, _ = reference.examples(len(features), seed=1)
+        features = {"tokens": features, "values": values}
+    return features, labels
 
 
 def parse(argv):
@@ -93,7 +150,8 @@ def parse(argv):
     parser.add_argument("--precision", default="float32")
     parser.add_argument("--inf_at_step", type=int)
     parser.add_argument("--model", default="embedding",
-                        choices=["embedding", "deferred", "dense", "unbuilt"])
+                        choices=["embedding", "deferred", "dense", "two_inputs",
+                                 "subclassed", "dropout_bn"])
     parser.add_argument("--checkpoint_dir")
     parser.add_argument("--save_every_steps", type=int, default=0)
     parser.add_argument("--kill_at_step", type=int)
@@ -109,7 +167,7 @@ def train(args):
     import tensorflow as tf
 
     import tfdist
-    from tfdist.sharding import find_sharded, state_bytes
+    from tfdist.sharding import find_sharded, state_bytes, units_of
     from tfdist.sharding.weights import gradient_shape, is_sharded
 
     runner = tfdist.Runner(tfdist.load_config(overrides={
@@ -120,13 +178,15 @@ def train(args):
 
     rank, ranks = hvd.rank(), hvd.size()
     with runner.scope():
-        if args.model in ("deferred", "unbuilt"):
+        if args.model == "deferred":
             # Its weights are drawn in fit, from a seed of each rank's own (Keras draws
             # each initializer's seed as the layer is made): only the broadcast of rank
             # 0's makes the ranks start alike.
             keras.utils.set_random_seed(DEFERRED_SEED + rank)
+        elif args.model == "dropout_bn":  # The same dropout masks in every run of it.
+            keras.utils.set_random_seed(DEFERRED_SEED)
         model = make_model(args.model)
-        if args.model not in ("deferred", "unbuilt"):
+        if args.model != "deferred":
             # (At zero_stage 3 the model made here is stored sharded too, and its
             # get_weights gathers on every rank alike.)
             model.set_weights(initial_weights(args.model))
@@ -162,6 +222,8 @@ def train(args):
               # What the backward pass gives it of each gradient (a slice at stages 2, 3).
               "gradient_bytes": sum(int(np.prod(gradient_shape(v))) * 4
                                     for v in model.trainable_variables),
+              # The layers whose weights stage 3 gathers again in the backward pass.
+              "units": [unit.name for unit in units_of(model)],
               "partition": [] if sharded is None else [
                   [p.variable, p.start, p.stop] for p in sharded.partition]}
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):

@@ -60,6 +60,14 @@ def import_horovod() -> ModuleType:
         raise ConfigError(f"strategy horovod needs Horovod: {error}") from None
 
 
+# Horovod's background thread starts the collectives submitted since its last cycle once
+# per cycle (1 ms by default). At zero_stage 2 and 3 each collective is issued once the one
+# before it has finished (tfdist.horovod.ordering), a few per layer and step, so each
+# waits up to a cycle: on 2 ranks, a 40-layer MLP's stage-3 step took 2.08x stage 0's at
+# 1 ms and 1.37x at 0.1 ms (benchmarks/zero.py).
+ZERO_CYCLE_TIME_MS = 0.1
+
+
 class HorovodAdapter(Adapter):
     """One rank per device; gradients averaged with Horovod's collectives."""
 
@@ -71,6 +79,12 @@ class HorovodAdapter(Adapter):
     def __init__(self, config: Config, cluster: ClusterInfo):
         super().__init__(config, cluster)
         self.hvd = import_horovod()
+        cycle_time_ms = config.horovod.cycle_time_ms
+        if cycle_time_ms is None and config.zero_stage >= 2:
+            cycle_time_ms = ZERO_CYCLE_TIME_MS
+        if cycle_time_ms is not None:
+            # Read when Horovod starts; a value the user exported wins.
+            set_default_environment({"HOROVOD_CYCLE_TIME": f"{cycle_time_ms:g}"})
         timeout = config.horovod.timeout_seconds
         if timeout:
             # Horovod reads these when it starts: a rank that has not joined a collective
@@ -241,7 +255,8 @@ class HorovodAdapter(Adapter):
             # (sliced ones would need the shard files; stage 3 refuses that pair).
             return sharding.sharded_optimizer(
                 optimizer, self._shard_collectives, self.config.zero_stage,
-                reduce_in_backward=self.config.accumulation_steps == 1)
+                reduce_in_backward=self.config.accumulation_steps == 1,
+                regather=self.config.zero.reshard_after_forward)
         return GradientReducingOptimizer(optimizer, reduce_fn=self.gradient_reduce_fn())
 
     @functools.cached_property

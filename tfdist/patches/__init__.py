@@ -79,6 +79,7 @@ HOROVOD: tuple[Patch, ...] = (
     *keras_callbacks.USER_FILE_WRITERS,
     keras_callbacks.PROGRESS_ON_THE_CHIEF,
     keras_export.ZERO3_WHOLE_WEIGHTS,
+    keras_trainer.ZERO_BUILD_IN_CREATION_SCOPE,
 )
 # `tfdist.parallel`'s layers, when built: one model over several devices of a process.
 MODEL_PARALLEL: tuple[Patch, ...] = (

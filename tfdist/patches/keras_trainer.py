@@ -17,6 +17,11 @@
   initialised, the keyword is accepted and ignored (noted once), and
   such a model is built from its first batch before `fit` starts its callbacks, as
   Keras does under a strategy.
+- At zero_stage 3, a model with no `Input` is built on its first batch inside `fit`,
+  under the model's strategy's scope but not `runner.scope()`, whose variable creator
+  stores each trainable variable as this rank's slice: the model's weights would be
+  whole. Where the model's optimizer is a sharded one, the build runs under its
+  `creation_scope()` (at stage 3, `tfdist.sharding.sharded_creation`).
 
 Each replacement acts only for models under the strategy whose bug it fixes and calls
 Keras's own code for every other model.
@@ -118,6 +123,38 @@ HOROVOD_BUILD_BEFORE_CALLBACKS = Patch(
              "first traced step (keras/src/backend/tensorflow/trainer.py)",
     summary="a Horovod Keras model without an Input is built after the broadcast callback "
             "started: 'Unknown variable' at the first update")
+
+
+def _creating_optimizer(model: Any) -> Any:
+    """The optimizer in the chain of tfdist's wrappers around `model.optimizer` that says
+    where the model's weights are created (a sharded one's `creation_scope`), or None."""
+    optimizer = getattr(model, "optimizer", None)
+    while optimizer is not None and not hasattr(optimizer, "creation_scope"):
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return optimizer
+
+
+def _built_under_creation_scope(original: Callable) -> Callable:
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        optimizer = _creating_optimizer(self)
+        if optimizer is None:
+            return original(self, iterator=iterator, data_batch=data_batch)
+        with optimizer.creation_scope(self):
+            return original(self, iterator=iterator, data_batch=data_batch)
+
+    return _maybe_symbolic_build
+
+
+ZERO_BUILD_IN_CREATION_SCOPE = Patch(
+    "keras.trainer.zero_build_in_creation_scope",
+    owner=_trainer_class, attribute="_maybe_symbolic_build",
+    replacement=_built_under_creation_scope,
+    bug_present=lambda original: source_contains(original, "self._symbolic_build("),
+    upstream="none filed: Keras builds a model without an Input inside fit, under its "
+             "strategy's scope, where tfdist's runner.scope() variable creator is not "
+             "(keras/src/backend/tensorflow/trainer.py)",
+    summary="at zero_stage 3, a model built on its first batch in fit is refused: its "
+            "variables were created whole, outside runner.scope()")
 
 _noted_run_tf_function = False
 

@@ -111,6 +111,19 @@ def layer_creating_variables() -> Any:
     return None
 
 
+def own_weights(model: Any) -> Iterator[tuple[Any, list[Any]]]:
+    """Each layer of `model` (itself included, then its layers, depth first) with the
+    trainable variables it created itself, not its inner layers'.
+
+    Example:
+
+        for layer, weights in own_weights(model):
+            print(layer.name, [w.path for w in weights])
+    """
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        yield layer, list(layer._trainable_variables)
+
+
 # What Keras's `Layer.__call__` sets around a layer's `call`, in Keras's global state: the
 # dtype its variables are read in (a mixed policy's compute dtype), and the call's context
 # (the `training` flag its inner layers inherit).

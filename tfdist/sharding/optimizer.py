@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple, Sequence
 
 import keras
@@ -29,7 +30,8 @@ from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding import private
 from tfdist.sharding.hooks import held
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order
-from tfdist.sharding.weights import gradient_shape, is_sharded, reduce_scattered
+from tfdist.sharding.weights import (gradient_shape, is_sharded, reduce_scattered,
+                                     sharded_creation, whole_creation)
 
 # The name of the weights' slices in a rank's shard file (`shard_state`, zero_stage 3).
 WEIGHT = "tfdist_weight"
@@ -84,8 +86,19 @@ class _ShardedMixin:
     updates_slices: bool
     reduce_in_backward: bool
 
+    def creation_scope(self, model: Any = None) -> contextlib.AbstractContextManager[None]:
+        """Where `model`, built inside `fit` on its first batch (`tfdist.patches.
+        keras_trainer`), creates its weights: as `runner.scope()` would have. Only stage 3
+        stores them otherwise."""
+        return contextlib.nullcontext()
+
     def build(self, var_list: Sequence[Any]) -> None:
-        variables = list(var_list)
+        # Its own variables are whole, also where Keras builds it inside the creation
+        # scope of a model built on its first batch (`creation_scope`).
+        with whole_creation():
+            self._build_shard(list(var_list))
+
+    def _build_shard(self, variables: list[Any]) -> None:
         dtypes = sorted({keras.backend.standardize_dtype(v.dtype) for v in variables})
         if len(dtypes) > 1:
             raise ConfigError(f"zero_stage {self.zero_stage} shards variables of one dtype, but "
@@ -487,6 +500,10 @@ class _SlicedWeights(_SlicedMixin):
     (`tfdist.sharding.weights`), which the update writes in place: nothing to gather."""
 
     zero_stage = 3
+    regather = True  # Each layer's weights gathered again in its backward pass.
+
+    def creation_scope(self, model: Any = None) -> contextlib.AbstractContextManager[None]:
+        return sharded_creation(self._collectives, regather=self.regather, model=model)
 
     def _check_storage(self, variables: list[Any]) -> None:
         _check_stored_sharded(variables)
@@ -534,9 +551,8 @@ def _check_stored_sharded(variables: Sequence[Any]) -> None:
     if whole:
         raise ConfigError(f"zero_stage 3 stores each trainable variable as 1/N per rank from "
                           f"its creation, under runner.scope(), but {len(whole)} variable(s) "
-                          f"were created outside it (a model built on its first batch in "
-                          f"fit, or a layer made before the scope): build the model inside "
-                          f"runner.scope() (keras.Input, or model.build(input_shape)). "
+                          f"were created outside it (a layer made before the scope): make "
+                          f"the model and its layers inside runner.scope(). "
                           f"Received: {', '.join(whole[:3])}")
 
 
@@ -585,7 +601,8 @@ def check_stage(stage: int, optimizer: keras.optimizers.Optimizer) -> None:
 
 
 def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardCollectives,
-                      stage: int, reduce_in_backward: bool = True) -> keras.optimizers.Optimizer:
+                      stage: int, reduce_in_backward: bool = True,
+                      regather: bool = True) -> keras.optimizers.Optimizer:
     """`optimizer`'s class and config, holding and updating only this rank's partition.
 
     Args:
@@ -600,6 +617,9 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
             pass (True), or once per update, after it (False: with gradient
             accumulation, whose accumulators then stay whole and are checkpointed as
             without sharding). Stage 3 always reduces in the backward pass.
+        regather: At stage 3, the weights of a model built inside `fit` are created
+            as `sharded_creation(collectives, regather)` creates them
+            (`creation_scope`): each layer's gathered again in its backward pass.
 
     Raises:
         ConfigError: an optimizer that is not element-wise at stage 2 (`ELEMENT_WISE`).
@@ -619,6 +639,8 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
         optimizer.save_own_variables(sharded._shard_trained_state)
     sharded._collectives = collectives
     sharded.reduce_in_backward = reduce_in_backward or stage == 3
+    if stage == 3:
+        sharded.regather = regather
     return sharded
 
 

@@ -174,6 +174,12 @@ MEMBERS: tuple[PrivateMember, ...] = (
                   "the layer a scope was opened for", how="assigned"),
     PrivateMember("keras Layer.add_weight", _keras_add_weight, "caller=self",
                   "creates each weight inside its layer's scope", how="read"),
+    PrivateMember("keras Layer", _keras_call_context, "_flatten_layers",
+                  "a model's layers, nested ones too, to find the layer that created a "
+                  "weight Keras initialised outside that layer's scope"),
+    PrivateMember("keras Layer", _keras_call_context, "_trainable_variables",
+                  "the weights a layer created itself: the unit of such a weight",
+                  how="assigned"),
     PrivateMember("keras autocast scope", _keras_autocast_scope, "autocast_scope",
                   "the dtype a layer's call reads its weights in, re-entered around "
                   "its recompute at stage 3", how="read"),

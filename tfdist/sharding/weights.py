@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
@@ -393,6 +394,8 @@ tf.register_tensor_conversion_function(ReduceScatteredWeight, _converted)
 _creation_order = itertools.count()
 # Each layer's unit, made when the layer creates its first sharded weight.
 _units: "weakref.WeakKeyDictionary[Any, Unit]" = weakref.WeakKeyDictionary()
+# Set while `whole_creation()` runs on this thread.
+_whole = threading.local()
 
 
 def is_sharded(variable: Any) -> bool:
@@ -451,7 +454,28 @@ def reduce_scattered(variables: Sequence[Any], collectives: ShardCollectives,
 
 
 @contextlib.contextmanager
-def sharded_creation(collectives: ShardCollectives, regather: bool = True) -> Iterator[None]:
+def whole_creation() -> Iterator[None]:
+    """Variables created inside are made whole, even under `sharded_creation`: the
+    sharded optimizer's own (its targets, its stand-ins), built where Keras builds it,
+    in the same scope as a model built on its first batch.
+
+    Example:
+
+        with sharded_creation(collectives):
+            with whole_creation():
+                step = keras.Variable(0)      # a plain variable on every rank
+    """
+    before = getattr(_whole, "active", False)
+    _whole.active = True
+    try:
+        yield
+    finally:
+        _whole.active = before
+
+
+@contextlib.contextmanager
+def sharded_creation(collectives: ShardCollectives, regather: bool = True,
+                     model: Any = None) -> Iterator[None]:
     """Trainable variables created inside are stored as this rank's slice (`ShardedWeight`).
 
     Every rank must create the same variables in the same order (as data-parallel ranks
@@ -465,6 +489,12 @@ def sharded_creation(collectives: ShardCollectives, regather: bool = True) -> It
             (`tfdist.sharding.units`): its call gathers them and drops them after, and
             its backward pass gathers them again. False: each read of a weight gathers
             it, and the gathered value lives until the backward pass has used it.
+        model: The model being built inside, if any (one built on its first batch).
+
+    Each weight joins its layer's unit when the scope ends: Keras may create a layer's
+    variables after its `build`, when the outermost layer being built is done (a model
+    built on its first batch, or a subclassed one built by a call), so the layer whose
+    scope is open at the creation, or else `model`, is searched for the one that holds it.
 
     Example:
 
@@ -476,7 +506,7 @@ def sharded_creation(collectives: ShardCollectives, regather: bool = True) -> It
     def creator(next_creator: Callable[..., Any], **kwargs: Any) -> Any:
         synchronization = kwargs.get("synchronization")
         if not kwargs.get("trainable", True) or synchronization in (
-                tf.VariableSynchronization.ON_READ,):
+                tf.VariableSynchronization.ON_READ,) or getattr(_whole, "active", False):
             return next_creator(**kwargs)
         initial = kwargs["initial_value"]
         with tf.init_scope():
@@ -490,14 +520,27 @@ def sharded_creation(collectives: ShardCollectives, regather: bool = True) -> It
             del value  # Only this rank's slice outlives the creation.
         arguments = {**kwargs, "initial_value": piece, "shape": None}
         weight = ShardedWeight(next_creator(**arguments), shape, collectives, index)
-        layer = hooks.layer_creating_variables() if regather else None
-        if layer is not None:
-            unit = _units.get(layer)
-            if unit is None:
-                unit = _units[layer] = Unit(layer)
-                unit.install()
-            unit.add(weight)
+        if regather:
+            layer = hooks.layer_creating_variables()
+            created.append((weight, model if layer is None else layer))
         return weight
 
+    created: list[tuple[ShardedWeight, Any]] = []
     with tf.variable_creator_scope(creator):
         yield
+    owners: dict[int, Any] = {}
+    for searched in {id(layer): layer for _, layer in created if layer is not None}.values():
+        for layer, weights in hooks.own_weights(searched):
+            owners.update({id(held(variable)): layer for variable in weights})
+    for weight, _ in created:
+        if id(weight) in owners:  # else a variable no layer tracks: each read gathers it
+            _join_unit(owners[id(weight)], weight)
+
+
+def _join_unit(layer: Any, weight: ShardedWeight) -> None:
+    """Makes `weight` one of the weights of `layer`'s unit (made and installed first)."""
+    unit = _units.get(layer)
+    if unit is None:
+        unit = _units[layer] = Unit(layer)
+        unit.install()
+    unit.add(weight)
