@@ -258,3 +258,12 @@ def test_a_model_built_on_its_first_batch_in_fit_is_made_of_slices_and_units():
     assert all(is_sharded(v) for v in model.trainable_variables)
     assert [unit.name for unit in units_of(model)] == ["dense", "dense_1"]
     assert largest_difference(weights, plain) < 1e-6
+
+
+def test_a_creation_scope_inside_another_slices_each_weight_once():
+    # A model built in fit called inside runner.scope(): the build's scope sits in the other.
+    collectives = OneRankCollectives()
+    with sharded_creation(collectives), sharded_creation(collectives):
+        weight = keras.Variable(np.arange(6.0, dtype="float32"))
+    assert isinstance(held(weight).shard, tf.Variable)  # not a slice of a slice
+    np.testing.assert_array_equal(np.asarray(weight), np.arange(6.0))

@@ -54,7 +54,6 @@ def optimizers():
     }
 
 
-@keras.saving.register_keras_serializable("zero_training")
 class Classifier(keras.Model):
     """The reference model written as a subclass, its layers made in __init__."""
 

@@ -127,7 +127,9 @@ HOROVOD_BUILD_BEFORE_CALLBACKS = Patch(
 
 def _creating_optimizer(model: Any) -> Any:
     """The optimizer in the chain of tfdist's wrappers around `model.optimizer` that says
-    where the model's weights are created (a sharded one's `creation_scope`), or None."""
+    where the model's weights are created (a sharded one's `creation_scope`), or None.
+    Found by that method, not `tfdist.sharding.find_sharded`: patches import nothing of
+    tfdist's above them (tests/test_layout.py)."""
     optimizer = getattr(model, "optimizer", None)
     while optimizer is not None and not hasattr(optimizer, "creation_scope"):
         optimizer = getattr(optimizer, "inner_optimizer", None)

@@ -111,16 +111,16 @@ def layer_creating_variables() -> Any:
     return None
 
 
-def own_weights(model: Any) -> Iterator[tuple[Any, list[Any]]]:
-    """Each layer of `model` (itself included, then its layers, depth first) with the
-    trainable variables it created itself, not its inner layers'.
+def own_weights(root: Any) -> Iterator[tuple[Any, list[Any]]]:
+    """Each layer under `root` (a layer or model: itself, then its layers, depth first)
+    with the trainable variables it created itself, not its inner layers'.
 
     Example:
 
         for layer, weights in own_weights(model):
             print(layer.name, [w.path for w in weights])
     """
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in root._flatten_layers(include_self=True, recursive=True):
         yield layer, list(layer._trainable_variables)
 
 

@@ -519,7 +519,11 @@ def sharded_creation(collectives: ShardCollectives, regather: bool = True,
             shape = value.shape
             del value  # Only this rank's slice outlives the creation.
         arguments = {**kwargs, "initial_value": piece, "shape": None}
-        weight = ShardedWeight(next_creator(**arguments), shape, collectives, index)
+        with whole_creation():
+            # An enclosing sharded_creation (a model built in fit called inside
+            # runner.scope()) makes the slice as it is, not a slice of it.
+            storage = next_creator(**arguments)
+        weight = ShardedWeight(storage, shape, collectives, index)
         if regather:
             layer = hooks.layer_creating_variables()
             created.append((weight, model if layer is None else layer))
