@@ -49,7 +49,8 @@ FIRST_TIER: dict[str, list[str]] = {
     "zero_stage 3": [f"{TWO_EMBEDDINGS}[pair-s3_acc1]", f"{TWO_EMBEDDINGS}[pair-s3_acc2]"],
     # 8 ranks under a memory cap below the model's weights (its reference run comes along).
     "a model larger than one device": ["tests/test_larger_than_device.py::test_under_the_cap_"
-                                       "stage_3_trains_on_8_ranks_equal_to_the_uncapped_device"],
+                                       "stage_3_trains_on_8_ranks_equal_to_the_uncapped_"
+                                       "device[mlp]"],
     "pipeline": ["tests/adapters/test_model_parallel.py::"
                  "test_every_rank_equals_one_device_on_the_global_batch[pipeline]"],
     "resume after a kill": ["tests/resume/test_backup.py::"
