@@ -186,6 +186,32 @@ class AccumulatingOptimizer(WrappingOptimizer):
         super().build(var_list)
         with keras.name_scope(self.name, caller=self):
             self._accumulator.build(var_list, self._replica_local, self.gradient_shape)
+        # A ZeRO stage whose gradients reach each rank as slices keeps their accumulators
+        # with its partition (`tfdist.sharding`'s `adopt_accumulators`).
+        adopt = getattr(self.inner_optimizer, "adopt_accumulators", None)
+        if adopt is not None:
+            adopt(var_list, self._accumulator.accumulators)
+
+    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict[str, Any]:
+        # Accumulators the inner optimizer adopted are in each rank's shard file, not in
+        # the chief's checkpoint (whose slices would not fit another number of ranks).
+        # The others keep their names (their places in Keras's `_variables` list), so
+        # the checkpoint reads the same on any number of ranks.
+        children = super()._trackable_children(save_type, **kwargs)
+        adopted = {id(variable)
+                   for variable in getattr(self.inner_optimizer, "sharded_variables", ())}
+        listed = children.get("_variables")
+        if adopted and listed is not None:
+            kept = getattr(self, "_checkpointed_variables", None)
+            if kept is None:
+                # Made once: a checkpoint knows its objects by identity. Set past Keras's
+                # attribute tracking, which would add it as a child of its own.
+                kept = tf.__internal__.tracking.wrap(
+                    {str(i): variable for i, variable in enumerate(listed)
+                     if id(variable) not in adopted})
+                object.__setattr__(self, "_checkpointed_variables", kept)
+            children["_variables"] = kept
+        return children
 
     def _replica_local(self, shape: Any, dtype: str, aggregation: str, name: str) -> Any:
         variable = keras.Variable(initializer="zeros", shape=shape, dtype=dtype,

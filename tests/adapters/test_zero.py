@@ -131,6 +131,17 @@ def killed_run(out, stage=2):
     return common + ["--kill_at_step=9"], common
 
 
+def killed_accumulating_run(out):
+    """A stage-3 run with SGD and accumulation 2 (12 micro-batches an epoch), whose
+    checkpoints are at micro-batches 5, 10, 12 and 15 and whose rank 1 is SIGKILLed after
+    micro-batch 16: its newest checkpoint is in the middle of an accumulation cycle, the
+    half-summed gradient slices in each rank's shard file. (Its arguments, the arguments
+    that resume it.)"""
+    common = ["--stage=3", f"--optimizer={SGD}", "--accumulation=2",
+              f"--checkpoint_dir={out / 'killed_s3_accumulate'}", "--save_every_steps=5"]
+    return common + ["--kill_at_step=16"], common
+
+
 def checkpointed(out, name, stage, optimizer="adam_clip"):
     """A run of epoch 1 (6 steps) that checkpoints at its end into out/<name>_checkpoints,
     for another rank count or stage to resume."""
@@ -171,7 +182,7 @@ def two(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def three(two, tmp_path_factory):
+def three(two, killed_s3_accumulate, tmp_path_factory):
     """The 3-rank runs, a resume of the 2-rank checkpoint, and a checkpoint for 2 ranks."""
     out = tmp_path_factory.mktemp("zero_3")
     # Each 2-rank checkpoint resumed on 3 ranks (a stage-3 one at stage 2 reads the weights
@@ -182,6 +193,9 @@ def three(two, tmp_path_factory):
     resumes.update({f"s2_accumulate_to_3{suffix}": resuming(
         two / f"s2_accumulate_to_3{suffix}_checkpoints", 2, optimizer, "--accumulation=2")
         for suffix, optimizer in OPTIMIZERS.items()})
+    # The 2-rank stage-3 checkpoint taken in the middle of an accumulation cycle.
+    resumes["s3_accumulate_from_2"] = resuming(killed_s3_accumulate / "for_3_ranks", 3, SGD,
+                                               "--accumulation=2")
     launch(out, {**EQUIVALENT, **ONLY_ON_3, **FP16_RUNS, **resumes,
                  **{f"to_2{suffix}": checkpointed(out, f"to_2{suffix}", 1, optimizer)
                     for suffix, optimizer in OPTIMIZERS.items()}}, 3)
@@ -199,11 +213,26 @@ def killed_s3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def resumed(two, three, killed_s3, tmp_path_factory):
+def killed_s3_accumulate(tmp_path_factory):
+    """`killed_accumulating_run`'s folder, and a copy of its checkpoints for 3 ranks to
+    resume (each resume writes checkpoints of its own)."""
+    out = tmp_path_factory.mktemp("zero_killed_s3_accumulate")
+    arguments = killed_accumulating_run(out)[0]
+    killed = launch(out, {"killed_s3_accumulate": (arguments,)}, 2, expect_success=False)
+    assert killed.returncode != 0
+    folder = out / "killed_s3_accumulate"
+    assert not (folder / "rank0.json").exists(), (killed.stdout + killed.stderr)[-3000:]
+    shutil.copytree(folder, out / "for_3_ranks")
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(two, three, killed_s3, killed_s3_accumulate, tmp_path_factory):
     """The SIGKILLed runs resumed; the 3-rank checkpoint resumed on 2 ranks."""
     out = tmp_path_factory.mktemp("zero_resumed")
     launch(out, {"resumed": (killed_run(two)[1],),
                  "resumed_s3": (killed_run(killed_s3, stage=3)[1],),
+                 "resumed_s3_accumulate": (killed_accumulating_run(killed_s3_accumulate)[1],),
                  **{f"from_3{suffix}": resuming(three / f"to_2{suffix}_checkpoints", 2, optimizer)
                     for suffix, optimizer in OPTIMIZERS.items()}}, 2)
     return out, two / "killed"
@@ -359,16 +388,22 @@ def test_mixed_float16_inf_on_one_rank_skips_the_step_on_all_as_one_device(two, 
     assert largest_difference(weights[0], expected) < MIXED_TOLERANCE
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_sigkill_and_a_resume_equal_the_uninterrupted_run(two, resumed, killed_s3, stage):
+@pytest.mark.parametrize("killed", ["s2", "s3", "s3_accumulate"])
+def test_a_sigkill_and_a_resume_equal_the_uninterrupted_run(two, resumed, killed_s3,
+                                                            killed_s3_accumulate, killed):
     out, checkpoints = resumed
-    if stage == 3:
-        checkpoints = killed_s3 / "killed_s3"
-    optimizer = KILLED_OPTIMIZER[stage]
-    _, uninterrupted = ranks_of(two / f"s{stage}_{'sgd' if optimizer == SGD else optimizer}", 2)
-    reports, weights = ranks_of(out / ("resumed" if stage == 2 else "resumed_s3"), 2)
-    # It went on from the checkpoint of step 8, in epoch 2, not from the start.
-    assert [reports[r]["iterations_at_start"] for r in (0, 1)] == [8, 8]
+    # The run SIGKILLed: (its checkpoints, the uninterrupted run, the resumed run, the
+    # optimizer's updates before the resume). Without accumulation it went on from the
+    # checkpoint of step 8, in epoch 2; with it, from micro-batch 15 (7 updates and half
+    # a cycle), each rank's half-summed gradient slices read back from its shard file.
+    checkpoints, uninterrupted, resumed_run, updates_before = {
+        "s2": (checkpoints, "s2_adam_clip", "resumed", 8),
+        "s3": (killed_s3 / "killed_s3", "s3_sgd", "resumed_s3", 8),
+        "s3_accumulate": (killed_s3_accumulate / "killed_s3_accumulate", "s3_accumulate_sgd",
+                          "resumed_s3_accumulate", 7)}[killed]
+    _, uninterrupted = ranks_of(two / uninterrupted, 2)
+    reports, weights = ranks_of(out / resumed_run, 2)
+    assert [reports[r]["iterations_at_start"] for r in (0, 1)] == [updates_before] * 2
     assert [reports[r]["iterations"] for r in (0, 1)] == [12, 12]
     for rank in (0, 1):
         assert largest_difference(weights[rank], uninterrupted[rank]) < 1e-6
@@ -397,6 +432,26 @@ def test_stage_2_with_accumulation_checkpoints_and_resumes_on_3_ranks(two, three
     assert [reports[r]["gradient_bytes"] for r in (0, 1)] == [whole] * 2
     reports = check_equivalent(three, f"s2_accumulate_to_3{suffix}", OPTIMIZERS[suffix], 3)
     assert [reports[r]["iterations_at_start"] for r in range(3)] == [6] * 3
+
+
+def test_a_stage_3_checkpoint_within_an_accumulation_cycle_resumes_on_3_ranks(
+        three, killed_s3_accumulate):
+    # Checkpoint 15 of 2 ranks: each rank's shard file holds its slice of the gradient
+    # summed over micro-batch 15 alone (half a cycle); the chief's checkpoint none of it.
+    files = [np.load(killed_s3_accumulate / "for_3_ranks" / "shards" / f"ckpt-15.rank{r}-of-2.npz")
+             for r in (0, 1)]
+    summed = [[files[r][f"a{i}"] for i, (_, slot, _, _) in
+               enumerate(json.loads(str(files[r]["index"]))) if slot == tfdist.sharding.ACCUMULATED]
+              for r in (0, 1)]
+    assert [len(slices) for slices in summed] == [5, 5]  # one per weight, on each rank
+    assert max(float(np.max(np.abs(array))) for array in summed[0] + summed[1]) > 1e-3
+    import tensorflow as tf
+
+    saved = [name for name, _ in tf.train.list_variables(
+        str(killed_s3_accumulate / "for_3_ranks" / "ckpt-15"))]
+    assert not [name for name in saved if "accumulated" in name], saved
+    reports = check_equivalent(three, "s3_accumulate_from_2", SGD, 3)
+    assert [reports[r]["iterations_at_start"] for r in range(3)] == [7] * 3
 
 
 @pytest.mark.parametrize("suffix", sorted(OPTIMIZERS))
@@ -432,9 +487,18 @@ def test_model_save_writes_the_whole_state_and_plain_keras_loads_it(two, tmp_pat
 
 
 REFUSALS = {
-    "accumulation_with_checkpoints": (["--accumulation=2", "--checkpoint_dir={tmp}/new"],
-                                      "checkpoints of zero_stage 3 with accumulation_steps > 1 "
-                                      "are not written yet"),
+    # Accumulators in the middle of a cycle, as slices, that stage 2's whole ones cannot take.
+    "sliced_accumulators_at_stage_2": (["--stage=2", f"--optimizer={SGD}", "--accumulation=2",
+                                        "--checkpoint_dir={tmp}/sliced_accumulated"],
+                                       "holds gradient accumulators as slices (saved at "
+                                       "zero_stage 3 with accumulation_steps > 1), which this "
+                                       "run would leave unrestored; resume it at zero_stage 3"),
+    # Stage 2's whole accumulators, in the chief's checkpoint, that stage 3 cannot take.
+    "whole_accumulators_at_stage_3": (["--accumulation=2",
+                                       "--checkpoint_dir={tmp}/whole_accumulated"],
+                                      "was saved at zero_stage 1 or 2, whose gradient "
+                                      "accumulators are whole, where zero_stage 3 with "
+                                      "accumulation_steps > 1 holds them as slices"),
     "sliced_weights_at_stage_1": (["--stage=1", "--checkpoint_dir={tmp}/sliced"],
                                   "checkpoint "),  # then its number, and:
     "sharded_state_at_stage_0": (["--stage=0", "--checkpoint_dir={tmp}/sharded"],
@@ -526,11 +590,15 @@ def test_what_stage_3_weights_cannot_do_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))
 @pytest.mark.refuses
-def test_stage_3_refuses_what_it_cannot_do_yet_with_one_line(two, tmp_path, case):
+def test_stage_3_refuses_what_it_cannot_do_yet_with_one_line(two, killed_s3_accumulate,
+                                                             tmp_path, case):
     # One rank (no mpirun): each refusal comes before any step. The checkpoints are the
-    # 2-rank runs' at stage 3 (sliced) and 2 (sharded), and one rank's at stage 0 (whole).
+    # 2-rank runs' at stage 3 (sliced) and 2 (sharded), each also with accumulation, and
+    # one rank's at stage 0 (whole).
     shutil.copytree(two / "s3_2_to_3_checkpoints", tmp_path / "sliced")
     shutil.copytree(two / "s2_2_to_3_checkpoints", tmp_path / "sharded")
+    shutil.copytree(killed_s3_accumulate / "for_3_ranks", tmp_path / "sliced_accumulated")
+    shutil.copytree(two / "s2_accumulate_to_3_checkpoints", tmp_path / "whole_accumulated")
     if case == "whole_state_at_stage_2":
         made = run_command([sys.executable, SCRIPT, str(tmp_path / "whole_run"), "--stage=0",
                             "--epochs=1", f"--checkpoint_dir={tmp_path}/whole"], cwd=tmp_path)

@@ -126,6 +126,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._sharded: Any = None  # The optimizer, when it shards its state (tfdist.sharding).
         self._train_function: Any = None  # Keras's, while the skipping one stands in.
         self._saved_variables: list[Any] = []
+        self._summed_variables: list[Any] = []  # Rank-local sums a checkpoint adds up.
         self._identity_notes: list[str] = []  # What reading run.json found wrong.
 
     # --- Keras hooks ----------------------------------------------------------------------
@@ -136,14 +137,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             model.optimizer.build(model.trainable_variables)
         objects = _saved_objects(model, self._position)
         self._sharded = sharding.find_sharded(model.optimizer)
-        if (self.directory and getattr(self._sharded, "zero_stage", 0) == 3
-                and self._adapter.config.accumulation_steps > 1):
-            # Each rank's accumulators are slices of the gradients, which the checkpoint's
-            # sum over the ranks (prepare_checkpoint) would add up wrongly.
-            raise ConfigError(f"checkpoints of zero_stage 3 with accumulation_steps > 1 are "
-                              f"not written yet; use zero_stage 2 to accumulate and "
-                              f"checkpoint. Received: checkpoint_dir={self.directory!r}, "
-                              f"zero_stage=3")
         if self.directory:
             self._store = CheckpointStore(self.directory, objects,
                                           is_writer=self._adapter.is_chief, keep=self.keep)
@@ -154,6 +147,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._resume_from_checkpoint()
         self._saved_variables = [variable for group in objects.values()
                                  for variable in _variables_of(group)]
+        # Each rank's partition (adopted gradient accumulators among it) is its own, in its
+        # shard file: not summed across the ranks for the chief's checkpoint.
+        partition = self._partition_ids()
+        self._summed_variables = [variable for variable in self._saved_variables
+                                  if id(variable) not in partition]
         if self._elastic is not None:
             self._elastic.attach(model, self._saved_variables, self._position)
         self._agreement = self._adapter.stop_agreement(f"fit{next(_fit_serial)}")
@@ -261,18 +259,24 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _check_weights_whole_or_sliced(self) -> None:
         """Refuses, before reading it, a checkpoint whose weights are slices (zero_stage 3)
         at stage 0 or 1: its weights would not fit the whole variables (stage 2 takes
-        them whole from the shard files, `ReduceScatteredWeight`); and, at stage 0, one
-        whose optimizer state is sharded, before the restore reports only that its
-        objects do not match."""
+        them whole from the shard files, `ReduceScatteredWeight`); at stage 0, one
+        whose optimizer state is sharded; and one whose gradient accumulators this run
+        holds otherwise (`_check_accumulators`): each before the restore reports only that
+        its objects do not match."""
         stage = getattr(self._sharded, "zero_stage", 0)
         saved = sharded_state.numbers(self.directory)
-        if stage >= 2 or not saved:
+        if not saved:
             return
         try:
             with sharded_state.ShardReader(self.directory, max(saved)) as reader:
-                sliced = sharding.WEIGHT in reader.slots()
+                slots = reader.slots()
         except ConfigError:
             return  # Unreadable shard files: the restore passes the checkpoint over.
+        sliced = sharding.WEIGHT in slots
+        if self._sharded is not None:
+            self._check_accumulators(max(saved), sliced, sharding.ACCUMULATED in slots)
+        if stage >= 2:
+            return
         if sliced:
             raise ConfigError(f"checkpoint {max(saved)} in {self.directory} holds each weight "
                               f"as slices (saved with zero_stage 3); resume it with "
@@ -296,8 +300,33 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._refuse_sharded_state(number)  # An older checkpoint, fallen back to.
             return
         with sharded_state.ShardReader(self.directory, number) as reader:
-            self._sharded.load_shard_state(reader.read,
-                                           weights=sharding.WEIGHT in reader.slots())
+            slots = reader.slots()
+            self._sharded.load_shard_state(reader.read, weights=sharding.WEIGHT in slots,
+                                           accumulated=sharding.ACCUMULATED in slots)
+
+    def _check_accumulators(self, number: int, sliced_weights: bool,
+                            sliced_accumulators: bool) -> None:
+        """Refuses a checkpoint whose gradient accumulators this run would leave unrestored:
+        slices (saved at zero_stage 3) where this run's are whole, or whole (in the chief's
+        checkpoint, saved at zero_stage 1 or 2) where this run's are slices."""
+        holds = self._sharded.holds_accumulators
+        if sliced_accumulators and not holds:
+            raise ConfigError(f"checkpoint {number} in {self.directory} holds gradient "
+                              f"accumulators as slices (saved at zero_stage 3 with "
+                              f"accumulation_steps > 1), which this run would leave "
+                              f"unrestored; resume it at zero_stage 3. Received: "
+                              f"checkpoint_dir={self.directory!r}, "
+                              f"zero_stage={self._sharded.zero_stage}")
+        if holds and not sliced_weights:
+            raise ConfigError(f"checkpoint {number} in {self.directory} was saved at "
+                              f"zero_stage 1 or 2, whose gradient accumulators are whole, "
+                              f"where zero_stage 3 with accumulation_steps > 1 holds them as "
+                              f"slices; resume it at the stage it was saved with. Received: "
+                              f"checkpoint_dir={self.directory!r}, zero_stage=3")
+
+    def _partition_ids(self) -> set[int]:
+        """The ids of the variables of this rank's partition of the optimizer state."""
+        return {id(variable) for variable in getattr(self._sharded, "sharded_variables", ())}
 
     def _check_same_run(self) -> None:
         """Refuses to resume a folder another run made; records this run's identity."""
@@ -356,8 +385,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _resume(self, how: str) -> None:
         """Continues from the position just restored, on the state just restored."""
         model = self.model
-        self._adapter.after_restore(list(model.variables) + (
-            list(model.optimizer.variables) if model.optimizer is not None else []))
+        partition = self._partition_ids()
+        self._adapter.after_restore([variable for variable in list(model.variables) + (
+            list(model.optimizer.variables) if model.optimizer is not None else [])
+            if id(variable) not in partition])
         position = self._position
         self._saved_global_step = position.global_step
         self._saved_at = (position.epoch, position.step, position.global_step)
@@ -425,7 +456,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if where == self._saved_at:
             return
         position.record()
-        with self._adapter.prepare_checkpoint(self._saved_variables):
+        with self._adapter.prepare_checkpoint(self._summed_variables):
             if self._store is not None:
                 if self._sharded is not None:
                     # Every rank's partition is on disk before the checkpoint that names it.

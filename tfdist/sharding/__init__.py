@@ -41,14 +41,14 @@ Example:
 
 from tfdist.sharding.collectives import OneRankCollectives, ShardCollectives
 from tfdist.sharding.layout import Piece, ShardLayout, Slicing
-from tfdist.sharding.optimizer import (ELEMENT_WISE, WEIGHT, check_stage, find_sharded,
-                                       sharded_optimizer)
+from tfdist.sharding.optimizer import (ACCUMULATED, ELEMENT_WISE, WEIGHT, check_stage,
+                                       find_sharded, sharded_optimizer)
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order, state_bytes
 from tfdist.sharding.units import Unit, UnitState, units_of
 from tfdist.sharding.weights import (ReduceScatteredWeight, ShardedWeight, is_sharded,
                                      sharded_creation, stored_variable)
 
-__all__ = ["ELEMENT_WISE", "OneRankCollectives", "Other", "Piece",
+__all__ = ["ACCUMULATED", "ELEMENT_WISE", "OneRankCollectives", "Other", "Piece",
            "ReduceScatteredWeight", "ShardCollectives", "ShardLayout", "ShardPart",
            "ShardedWeight", "Slicing", "Slot", "Unit", "UnitState", "WEIGHT",
            "check_stage", "find_sharded", "is_sharded", "plain_order",

@@ -30,11 +30,14 @@ from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding import private
 from tfdist.sharding.hooks import held
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order
-from tfdist.sharding.weights import (gradient_shape, is_sharded, reduce_scattered,
-                                     sharded_creation, whole_creation)
+from tfdist.sharding.weights import (gradient_is_sliced, gradient_shape, is_sharded,
+                                     reduce_scattered, sharded_creation, whole_creation)
 
 # The name of the weights' slices in a rank's shard file (`shard_state`, zero_stage 3).
 WEIGHT = "tfdist_weight"
+# The slot name of a gradient accumulator's slice in the shard files (zero_stage 3 with
+# accumulation: `adopt_accumulators`).
+ACCUMULATED = "tfdist_accumulated"
 
 # Optimizers whose update of an element depends only on that element's gradient and
 # state (and on scalars such as the step), so that a slice of a variable updates as
@@ -61,6 +64,8 @@ class _Shard:
         self.targets: list[Any] = []  # What the update writes, one per piece.
         self.slots: dict[tuple[int, str], Any] = {}  # (piece, slot name) -> variable.
         self.slot_names: list[str] = []
+        # Piece index -> the wrapping optimizer's accumulator of that piece's gradient slice.
+        self.accumulators: dict[int, Any] = {}
         self.plain: list[Slot | Other] = []  # `plain_order` of the unsharded optimizer.
         self.recording = False
         self.saved_state: SavedState | None = None  # Set at the end of each fit.
@@ -148,11 +153,40 @@ class _ShardedMixin:
         where the backward pass reduce-scatters it."""
         return gradient_shape(variable)
 
+    def adopt_accumulators(self, variables: Sequence[Any], accumulators: Sequence[Any]) -> None:
+        """Makes the accumulators of gradients that reach this rank as slices part of its
+        partition: checkpointed in its shard file, restored by element range on any
+        number of ranks.
+
+        A wrapping optimizer (`tfdist.accumulation.AccumulatingOptimizer`) calls it once
+        built. Each such accumulator sums slices of the gradient already averaged across
+        the ranks, which differ from rank to rank: a checkpoint's sum over the ranks of
+        rank-local accumulators (`prepare_checkpoint`) would add up unrelated elements.
+        Whole accumulators (stages 1 and 2, which reduce once per cycle) are left as they are.
+
+        Args:
+            variables: The variables the accumulators belong to, as `build` received them.
+            accumulators: One accumulator per variable, of `gradient_shape(variable)`.
+        """
+        pieces = {piece.variable: i for i, piece in enumerate(self._shard.owned)}
+        index_of = {id(variable): i for i, variable in enumerate(self._shard.variables)}
+        self._shard.accumulators = {
+            pieces[index_of[id(variable)]]: accumulator
+            for variable, accumulator in zip(variables, accumulators)
+            if gradient_is_sliced(variable)}
+
+    @property
+    def holds_accumulators(self) -> bool:
+        """Whether gradient accumulators are part of this rank's partition
+        (`adopt_accumulators`)."""
+        return bool(getattr(self, "_shard", None) is not None and self._shard.accumulators)
+
     @property
     def sharded_variables(self) -> list[Any]:
-        """The state this rank holds for its partition alone (other ranks hold the rest)."""
+        """The state this rank holds for its partition alone (other ranks hold the rest),
+        adopted accumulators included."""
         shard = getattr(self, "_shard", None)
-        return [] if shard is None else list(shard.slots.values())
+        return [] if shard is None else [*shard.slots.values(), *shard.accumulators.values()]
 
     @property
     def shard_rank(self) -> int:
@@ -308,9 +342,14 @@ class _ShardedMixin:
                                       [-1])[:piece.stop - piece.start])
                  for i, piece in enumerate(self._shard.owned) for name in self._shard.slot_names
                  if (i, name) in self._shard.slots]
+        for i, accumulator in self._shard.accumulators.items():
+            piece = self._shard.owned[i]
+            values = np.reshape(accumulator.numpy(), [-1])[:piece.stop - piece.start]
+            parts.append(ShardPart(piece.variable, ACCUMULATED, piece.start, piece.stop, values))
         return parts + self._weight_parts()
 
-    def load_shard_state(self, read: Any, weights: bool = False) -> None:
+    def load_shard_state(self, read: Any, weights: bool = False,
+                         accumulated: bool = False) -> None:
         """Sets each owned slot from `read(variable, name, start, stop)` (flat values).
 
         Args:
@@ -318,10 +357,15 @@ class _ShardedMixin:
             weights: The files hold the weights too (saved at stage 3, where the chief's
                 checkpoint has only its slice of each): set them. Saved at stage 1 or 2,
                 the checkpoint had them whole.
+            accumulated: The files hold the adopted accumulators (`adopt_accumulators`):
+                set them. Otherwise they are left as they are.
         """
         owned = [(slot, i, name) for (i, name), slot in self._shard.slots.items()]
         if weights:
             owned += self._load_weights(read)
+        if accumulated:
+            owned += [(accumulator, i, ACCUMULATED)
+                      for i, accumulator in self._shard.accumulators.items()]
         for slot, i, name in owned:
             piece = self._shard.owned[i]
             values = np.reshape(read(piece.variable, name, piece.start, piece.stop), [-1])
