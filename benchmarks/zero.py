@@ -44,7 +44,8 @@ gathered at once, the activations, the batch). The 7 B model is shaped as Llama 
 projection). DeepSpeed's formula counts the model states alone, not the parameters its
 stage 3 gathers at once (`stage3_max_live_parameters`, 10^9 by default) nor activations.
 
-    .venv/bin/python benchmarks/zero.py [--ranks 2 4 8] [--settings 0 1 2 3held 3] [--steps 8]
+    .venv/bin/python benchmarks/zero.py [--ranks 2 4 8] [--settings 0 1 2 3held 3] [--steps 8] \
+        [--precision float32|mixed_bfloat16|mixed_float16]
 
 The last line is JSON: per setting, the bytes, peak memory and step time of every
 rank, the figures against the targets, and the projection.
@@ -102,7 +103,7 @@ def run_rank(args: argparse.Namespace) -> None:
     stage, reshard = SETTINGS[args.setting]
     runner = tfdist.Runner(tfdist.load_config(overrides={
         "strategy": "horovod", "zero_stage": stage, "zero.reshard_after_forward": reshard,
-        "seed": 0}))
+        "precision": args.precision, "seed": 0}))
     hvd = import_horovod()
     rng = np.random.default_rng(0)
     batch = args.batch_per_rank * runner.num_replicas
@@ -171,7 +172,7 @@ def measure_settings(args: argparse.Namespace) -> dict[str, list[dict]]:
                 [*mpirun(ranks), sys.executable, os.path.abspath(__file__), f"--setting={name}",
                  f"--steps={args.steps}", f"--warmup={args.warmup}",
                  f"--batch_per_rank={args.batch_per_rank}", f"--width={args.width}",
-                 f"--layers={args.layers}"],
+                 f"--layers={args.layers}", f"--precision={args.precision}"],
                 what=f"zero_stage {name} on {ranks} ranks")
             print(f"{ranks} ranks, stage {name}: state MB per rank "
                   f"{[round(r['state_bytes'] / 2**20, 1) for r in row]}, allocator peak MB "
@@ -291,6 +292,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=WIDTH,
                         help="the MLP's width (64: a quick run, to check the code)")
     parser.add_argument("--layers", type=int, default=LAYERS, help="the MLP's Dense layers")
+    parser.add_argument("--precision", default="float32",
+                        help="every setting's policy: under mixed_bfloat16 or mixed_float16 "
+                             "stage 3 gathers in the compute dtype")
     parser.add_argument("--setting", choices=list(SETTINGS), help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     args = parser.parse_args()

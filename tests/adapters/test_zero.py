@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.xdist_group("adapters_zero"), pytest.mark.requires_mpi
 SCRIPT = str(REPO / "tests" / "scripts" / "zero_training.py")
 TOLERANCE = 1e-5
 MIXED_TOLERANCE = 1e-3  # float16 rounds by ~4e-5 here; a step more or less moves 1e-2+
+BF16_TOLERANCE = 1e-2  # bfloat16 keeps 8 bits of mantissa: 4e-3 of a value near 1
 # A hang bound, not a timing: a launch trains up to 37 small variants in turn (about 100 s
 # alone on 2 cores, 475 s beside two other loads).
 LAUNCH_BOUND_SECONDS = 900
@@ -92,7 +93,12 @@ FP16_INF = (["--stage=2", "--optimizer=adam", "--model=dense", "--epochs=1",
              "--precision=mixed_float16", "--inf_at_step=3"],)
 FP16_INF_S3 = (["--stage=3", *FP16_INF[0][1:]],)
 FP16_INF_SGD = (["--stage=2", f"--optimizer={SGD}", *FP16_INF[0][2:]],)
-FP16_RUNS = {"fp16_inf": FP16_INF, "fp16_inf_s3": FP16_INF_S3, "fp16_inf_sgd": FP16_INF_SGD}
+# Stage 3 under mixed_bfloat16: each unit gathers its weights in bfloat16 (as uint16 bits
+# through Horovod's allgather, which takes no bfloat16: horovod/horovod#4047).
+BF16_S3 = (["--stage=3", f"--optimizer={SGD}", "--model=dense", "--epochs=1",
+            "--precision=mixed_bfloat16"],)
+FP16_RUNS = {"fp16_inf": FP16_INF, "fp16_inf_s3": FP16_INF_S3, "fp16_inf_sgd": FP16_INF_SGD,
+             "bf16_s3": BF16_S3}
 ONLY_ON_3 = {
     # The Dense model has 2 variables: rank 2 owns none at stage 1.
     "s1_owns_nothing": (["--stage=1", "--optimizer=adam", "--model=dense"], "adam", "dense"),
@@ -386,6 +392,19 @@ def test_mixed_float16_inf_on_one_rank_skips_the_step_on_all_as_one_device(two, 
     expected, _ = one_device(optimizer, "dense", epochs=1, precision="mixed_float16",
                              inf_at_step=3)
     assert largest_difference(weights[0], expected) < MIXED_TOLERANCE
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_stage_3_gathering_in_bfloat16_equals_one_device_in_bfloat16(two, three, ranks):
+    reports, weights = ranks_of((two if ranks == 2 else three) / "bf16_s3", ranks)
+    assert [reports[r]["iterations"] for r in range(ranks)] == [6] * ranks
+    for rank in range(1, ranks):
+        assert largest_difference(weights[0], weights[rank]) == 0.0
+    # The gathered values are Keras's cast of the whole weights (exactly equal to plain
+    # Keras with oneDNN off: tests/test_units.py); with oneDNN on, plain Keras's cast is
+    # fused into its bfloat16 matmul, which rounds otherwise.
+    expected, _ = one_device(SGD, "dense", epochs=1, precision="mixed_bfloat16")
+    assert largest_difference(weights[0], expected) < BF16_TOLERANCE
 
 
 @pytest.mark.parametrize("killed", ["s2", "s3", "s3_accumulate"])

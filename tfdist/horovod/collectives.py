@@ -181,6 +181,17 @@ def _gathered_rows(hvd: ModuleType, slices: list[tf.IndexedSlices], *, average: 
             for v, i, s in zip(values, indices, slices)]
 
 
+@functools.cache
+def allgather_accepts(dtype: tf.DType) -> bool:
+    """Whether the installed Horovod's allgather op takes tensors of `dtype`."""
+    from tensorflow.python.framework import op_def_registry
+
+    import_horovod()  # Registers Horovod's ops.
+    definition = op_def_registry.get("HorovodAllgather")
+    allowed = next(attr.allowed_values.list.type for attr in definition.attr if attr.name == "T")
+    return dtype.as_datatype_enum in allowed
+
+
 class ShardCollectives(sharding.ShardCollectives):
     """The collectives of sharded training state (`tfdist.sharding`), with Horovod's ops.
 
@@ -220,6 +231,12 @@ class ShardCollectives(sharding.ShardCollectives):
             ignore_name_scope=True))
 
     def gather(self, flat: tf.Tensor, name: str) -> tf.Tensor:
+        if flat.dtype == tf.bfloat16 and not allgather_accepts(tf.bfloat16):
+            # Horovod's allgather op lists no bfloat16 (horovod/horovod#4047, open): a
+            # gather only moves bytes, so the tensor's 16-bit patterns go as uint16 and come
+            # back bit for bit. Where the installed op accepts bfloat16 this does nothing.
+            as_bits = self.gather(tf.bitcast(flat, tf.uint16), name)
+            return tf.bitcast(as_bits, tf.bfloat16)
         return in_step_order(functools.partial(
             self._hvd.allgather, flat, name=name, ignore_name_scope=True))
 

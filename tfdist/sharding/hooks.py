@@ -124,6 +124,31 @@ def own_weights(root: Any) -> Iterator[tuple[Any, list[Any]]]:
         yield layer, list(layer._trainable_variables)
 
 
+def autocast_dtype(layer: Any) -> Any:
+    """The dtype the call of `layer` running now reads each of its own float32 trainable
+    weights in: Keras's autocast scope's (a mixed policy's compute dtype, `float16` or
+    `bfloat16`) where every one of them autocasts; else None (they read as float32).
+
+    Keras's `Layer.__call__` enters the scope around `call` when the layer's compute dtype
+    differs from its variables' dtype; a variable made with `autocast=False` is read
+    uncast. Call it inside the layer's `call`.
+
+    Example:
+
+        dtype = autocast_dtype(layer)   # "float16" in a Dense under mixed_float16
+    """
+    from keras.src.backend.common import global_state
+
+    scope = global_state.get_global_attribute("autocast_scope")
+    weights = list(layer._trainable_variables)
+    # (Inside the scope a Keras variable's `dtype` is the scope's: the layer's policy says
+    # what the weights are stored in.)
+    if (scope is None or scope.dtype is None or layer.variable_dtype != "float32"
+            or not weights or not all(weight._autocast for weight in weights)):
+        return None
+    return scope.dtype
+
+
 # What Keras's `Layer.__call__` sets around a layer's `call`, in Keras's global state: the
 # dtype its variables are read in (a mixed policy's compute dtype), and the call's context
 # (the `training` flag its inner layers inherit).

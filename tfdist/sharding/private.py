@@ -183,6 +183,10 @@ MEMBERS: tuple[PrivateMember, ...] = (
     PrivateMember("keras autocast scope", _keras_autocast_scope, "autocast_scope",
                   "the dtype a layer's call reads its weights in, re-entered around "
                   "its recompute at stage 3", how="read"),
+    PrivateMember("keras Variable", _keras_variable, "_autocast",
+                  "whether a layer's call reads the weight in its compute dtype: a "
+                  "unit's gathers then move that dtype (tfdist.sharding.hooks)",
+                  how="assigned"),
     PrivateMember("keras Layer", _keras_call_context, "current_call_ctx",
                   "the call's context (its training flag), re-entered around the "
                   "recompute", how="read"),

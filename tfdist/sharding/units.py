@@ -115,10 +115,13 @@ class Unit:
         return None
 
     def _gathered(self, shards: Sequence[tf.Tensor], after: Sequence[tf.Tensor],
-                  direction: str) -> list[tf.Tensor]:
-        """Each weight's whole value, gathered once every tensor in `after` exists."""
+                  direction: str, dtype: Any = None) -> list[tf.Tensor]:
+        """Each weight's whole value, gathered once every tensor in `after` exists; in
+        `dtype` where given (each slice cast before the gather, as Keras casts the whole
+        weight: the same values, in fewer bytes moved and held)."""
         with tf.control_dependencies([t for t in after if t is not None]):
-            return [weight.whole_from(shard, f"unit_{direction}_{weight.index}")
+            return [weight.whole_from(shard if dtype is None else tf.cast(shard, dtype),
+                                      f"unit_{direction}_{weight.index}")
                     for weight, shard in zip(self.weights, shards)]
 
     def _calling(self, call: Callable[..., Any], values: Sequence[tf.Tensor],
@@ -158,18 +161,23 @@ class Unit:
         # The recompute runs outside Keras's `__call__`: it re-enters the dtype the
         # forward read the weights in and the `training` its inner layers inherited.
         keras_state = hooks.keras_call_state()
+        # Under a mixed policy the call reads its weights in the compute dtype: gathered in
+        # it (FSDP's `param_dtype`), the whole copies take half the bytes of float32. The
+        # slices, the optimizer state and the reduce-scatter of each gradient stay float32.
+        gather_dtype = hooks.autocast_dtype(layer)
 
         @tf.custom_gradient
         def unit_call(*tensors: tf.Tensor) -> Any:
             inputs, shards = tensors[:count], tensors[count:]
             first_op = len(graph.get_operations())
             a, k = rebuilt(inputs)
-            outputs = self._calling(call, self._gathered(shards, inputs, "forward"), a, k)
+            outputs = self._calling(
+                call, self._gathered(shards, inputs, "forward", gather_dtype), a, k)
             self._check_replayable(graph, first_op)
 
             def grad(*upstream: tf.Tensor, variables: Sequence[Any] | None = None) -> Any:
                 variables = list(variables or [])
-                again = self._gathered(shards, upstream, "backward")
+                again = self._gathered(shards, upstream, "backward", gather_dtype)
                 with tf.GradientTape() as tape, keras_state():
                     tape.watch([*inputs, *again])
                     a, k = rebuilt(inputs)
@@ -178,7 +186,8 @@ class Unit:
                 sources = [*inputs, *again, *variables]
                 grads = tape.gradient(targets, sources, output_gradients=list(upstream))
                 # Each weight's gradient as this rank's averaged slice, as soon as it exists.
-                sliced = [None if g is None else weight.reduce_scatter_gradient(g)
+                sliced = [None if g is None else
+                          weight.reduce_scatter_gradient(tf.cast(g, weight.dtype))
                           for weight, g in zip(self.weights, grads[count:count + len(again)])]
                 return [*grads[:count], *sliced], list(grads[count + len(again):])
 
