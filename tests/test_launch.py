@@ -14,6 +14,15 @@ import pytest
 from tests.conftest import TFDIST, run_command
 
 
+def is_running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def processes_with(marker: str) -> list[int]:
     """Pids of live processes whose command line contains `marker`."""
     found = []
@@ -22,10 +31,9 @@ def processes_with(marker: str) -> list[int]:
             continue
         try:
             command_line = (entry / "cmdline").read_bytes().decode(errors="replace")
-            state = (entry / "stat").read_text().split(") ", 1)[1].split()[0]
         except OSError:
             continue
-        if marker in command_line and state != "Z":
+        if marker in command_line and is_running(int(entry.name)):
             found.append(int(entry.name))
     return found
 
@@ -138,7 +146,14 @@ def test_without_restarts_a_failure_is_final(tmp_path):
     assert "worker:0 exited with status 1" in result.stdout
 
 
-SLEEP = "import time, sys; print('up', flush=True); time.sleep(300)"
+# Each child says it is up in a file of its own (its pid in the name): a process's command
+# line reads empty for a moment while it execs, so counting children by command line can
+# miss one that is starting.
+SLEEP = """
+import os, pathlib, time
+pathlib.Path(f"up.{os.getpid()}").touch()
+time.sleep(300)
+"""
 
 
 def _ignore_sigint():
@@ -158,18 +173,17 @@ def test_interrupting_the_launcher_stops_every_child(signum, started_ignoring_si
                                 preexec_fn=_ignore_sigint if started_ignoring_sigint else None)
 
     def children():
-        return [pid for pid in processes_with(marker) if pid != launcher.pid]
+        return [int(path.suffix[1:]) for path in tmp_path.glob("up.*")]
 
-    # Hang bounds, not timings: beside the suite's 8-rank launches on 2 cores, the launcher
-    # once had its second child up only after 30 s.
-    deadline = time.monotonic() + 120
-    while len(children()) < 2 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120  # a hang bound, not a timing
+    while len(children()) < 2 and time.monotonic() < deadline and launcher.poll() is None:
         time.sleep(0.1)
-    assert len(children()) == 2
+    assert len(children()) == 2, launcher.poll()
     launcher.send_signal(signum)
     output, _ = launcher.communicate(timeout=60)
     assert launcher.returncode == 128 + signum, output  # 130 after Ctrl-C, 143 after SIGTERM
     assert "interrupted; stopping every task" in output
+    assert not any(is_running(pid) for pid in children())
     assert processes_with(marker) == []
 
 
