@@ -1,10 +1,14 @@
 """The collectives of a traced step, in one order: buckets of dense gradients, the last
 layers' first, each waiting for the one before it (Horovod initialised with 1 rank)."""
 
+import gc
+import weakref
+
 import pytest
 import tensorflow as tf
 
 from tfdist.horovod import collectives
+from tfdist.horovod.ordering import in_step_order
 
 pytestmark = pytest.mark.requires_horovod
 
@@ -59,3 +63,23 @@ def _depends_on(op, earlier):
         stack.extend(tensor.op for tensor in current.inputs)
         stack.extend(current.control_inputs)
     return False
+
+
+def test_a_traced_step_is_not_kept_alive_by_its_order():
+    # The order's last collective is kept on the graph it was issued in: a record outside
+    # it holding that graph's tensors would keep every traced step alive for good.
+    graphs = []
+
+    @tf.function(autograph=False)
+    def step(value):
+        graphs.append(weakref.ref(tf.compat.v1.get_default_graph()))
+        first = in_step_order(lambda: tf.identity(value, name="first"))
+        second = in_step_order(lambda: tf.identity(value, name="second"))
+        return first + second
+
+    graph = step.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
+    second = graph.get_operation_by_name("second")
+    assert [op.name for op in second.control_inputs] == ["first"]
+    del step, graph, second
+    gc.collect()
+    assert graphs and graphs[0]() is None

@@ -21,17 +21,17 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, TypeVar
 
 import tensorflow as tf
 
 Result = TypeVar("Result")
 
-# The outputs of the collective issued last in each graph being traced. Keyed by the
-# graph, so a step traced again, and a branch of `tf.cond` (a graph of its own), start
-# their own sequence; weak, so a graph dropped by Keras is dropped here too.
-_last_issued: "weakref.WeakKeyDictionary[Any, list[tf.Tensor]]" = weakref.WeakKeyDictionary()
+# The outputs of the collective issued last in a graph being traced are kept on the graph
+# itself, so a step traced again, and a branch of `tf.cond` (a graph of its own), start
+# their own sequence, and they die with the graph: a dictionary keyed by the graph, weakly
+# or not, would keep every traced step alive through those tensors.
+_LAST_ISSUED = "_tfdist_last_collective"
 
 
 def in_step_order(issue: Callable[[], Result]) -> Result:
@@ -50,9 +50,9 @@ def in_step_order(issue: Callable[[], Result]) -> Result:
     if tf.executing_eagerly():
         return issue()
     graph = tf.compat.v1.get_default_graph()
-    with tf.control_dependencies(_last_issued.get(graph, [])):
+    with tf.control_dependencies(getattr(graph, _LAST_ISSUED, [])):
         result = issue()
-    _last_issued[graph] = _tensors_of(result)
+    setattr(graph, _LAST_ISSUED, _tensors_of(result))
     return result
 
 
