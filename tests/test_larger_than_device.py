@@ -122,7 +122,7 @@ def test_under_the_cap_one_device_stage_2_and_held_weights_run_out_of_memory(
 def test_under_the_cap_stage_3_trains_on_8_ranks_equal_to_the_uncapped_device(runs, model):
     runs[model, "reference"]
     reports = runs[model, "stage3"]
-    assert sorted(reports) == list(range(RANKS))
+    assert sorted(reports) == list(range(RANKS)), reports
     assert {report["status"] for report in reports.values()} == {"trained"}
     assert {report["parameters"] for report in reports.values()} == {PARAMETERS[model]}
     out = runs["out"] / model

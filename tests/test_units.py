@@ -76,6 +76,10 @@ def make_model(kind):
         joined = keras.layers.Concatenate()([shared(keras.layers.Dense(6)(first)),
                                              shared(keras.layers.Dense(6)(second))])
         return keras.Model([first, second], keras.layers.Dense(1)(joined))
+    if kind == "chain":  # Each unit's input is the output of the one before it.
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                                 keras.layers.Dense(16, activation="tanh"),
+                                 keras.layers.Dense(1)])
     if kind == "embedding":  # Integer inputs, a padding mask.
         tokens = keras.Input((5,), dtype="int32")
         embedded = keras.layers.Embedding(20, 8, mask_zero=True)(tokens)
@@ -102,16 +106,17 @@ OPTIMIZERS = {"sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
               "adam": lambda: keras.optimizers.Adam(0.01)}
 
 
-def train(kind, optimizer, how, collectives=None, policy="float32"):
+def train(kind, optimizer, how, collectives=None, policy="float32", prefetch=1):
     """(final weights, model, collectives) of 2 epochs: "plain" Keras, or stage 3 "held"
-    (each gathered weight kept to the backward) or "regathered" (units)."""
+    (each gathered weight kept to the backward) or "regathered" (units, gathered `prefetch`
+    calls ahead)."""
     keras.backend.clear_session()
     keras.config.set_dtype_policy(policy)  # conftest restores the default after the test
     collectives = collectives or RecordedCollectives()
     if how == "plain":
         model, made = make_model(kind), OPTIMIZERS[optimizer]()
     else:
-        with sharded_creation(collectives, regather=how == "regathered"):
+        with sharded_creation(collectives, regather=how == "regathered", prefetch=prefetch):
             model = make_model(kind)
         made = sharded_optimizer(OPTIMIZERS[optimizer](), collectives, 3)
     model.compile(made, "mse")
@@ -215,8 +220,10 @@ def test_units_gathered_in_bfloat16_train_exactly_as_plain_keras_without_onednns
     assert result.stdout.split() == ["functional", "0.0", "subclassed", "0.0"]
 
 
-def test_each_weight_is_gathered_twice_and_reduce_scattered_once_per_step():
-    _, model, collectives = train("sequential", "sgd_momentum", "regathered")
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_each_weight_is_gathered_twice_and_reduce_scattered_once_per_step(prefetch):
+    _, model, collectives = train("sequential", "sgd_momentum", "regathered",
+                                  prefetch=prefetch)
     step = max(collectives.issued.values(), key=len)  # the train step's graph
     counts = collections.Counter(step)
     dense = [held(v).index for v in model.trainable_variables
@@ -232,6 +239,52 @@ def test_each_weight_is_gathered_twice_and_reduce_scattered_once_per_step():
                 counts[f"tfdist_zero3_weight_{index}"],
                 counts[f"tfdist_zero3_gradient_{index}"]] == [0, 1, 1], index
     assert len(step) == 3 * len(dense) + 2 * len(norm)
+
+
+def step_graph(collectives):
+    """The traced train step: the graph in which the most collectives were issued."""
+    return max(collectives.issued, key=lambda graph: len(collectives.issued[graph]))
+
+
+def matmuls_before(graph, name):
+    """How many MatMul ops the collective `name` (in whatever name scope) waits for,
+    through its inputs and control inputs."""
+    [collective] = [op for op in graph.get_operations() if op.name.split("/")[-1] == name]
+    seen, waiting = {}, [collective]
+    while waiting:
+        for before in [tensor.op for tensor in waiting[-1].inputs] + list(
+                waiting.pop().control_inputs):
+            if before.name not in seen:
+                seen[before.name] = before
+                waiting.append(before)
+    return sum(op.type == "MatMul" for op in seen.values())
+
+
+def test_prefetch_gathers_each_unit_while_the_units_before_and_after_it_compute():
+    # Three Dense units in a chain: how many of the step's matmuls each gather waits for.
+    waits, weights = {}, {}
+    for prefetch in (0, 1, 2):
+        weights[prefetch], model, collectives = train("chain", "sgd_momentum", "regathered",
+                                                      prefetch=prefetch)
+        graph = step_graph(collectives)
+        kernels = [held(layer.kernel).index for layer in model.layers]
+        waits[prefetch] = {direction: [matmuls_before(graph, f"tfdist_zero3_unit_{direction}_{k}")
+                                       for k in kernels]
+                           for direction in ("forward", "backward")}
+    # Without prefetch unit k's forward gather waits for the k matmuls before it, and its
+    # backward gather for the backward of the units after it.
+    assert waits[0]["forward"] == [0, 1, 2]
+    forward, backward = waits[0]["forward"], waits[0]["backward"]
+    assert backward[0] > backward[1] > backward[2] > 0
+    last = len(forward) - 1
+    for prefetch in (1, 2):
+        # Each gather waits for what the gather `prefetch` units earlier in its pass waits for.
+        assert waits[prefetch]["forward"] == [forward[max(0, k - prefetch)]
+                                              for k in range(last + 1)], prefetch
+        assert waits[prefetch]["backward"] == [backward[min(last, k + prefetch)]
+                                               for k in range(last + 1)], prefetch
+        # Only when the collectives start changes: the same numbers.
+        assert largest_difference(weights[prefetch], weights[0]) == 0.0
 
 
 def test_a_layer_called_twice_in_a_step_gathers_for_each_call():

@@ -256,7 +256,8 @@ class HorovodAdapter(Adapter):
             return sharding.sharded_optimizer(
                 optimizer, self._shard_collectives, self.config.zero_stage,
                 reduce_in_backward=self.config.accumulation_steps == 1,
-                regather=self.config.zero.reshard_after_forward)
+                regather=self.config.zero.reshard_after_forward,
+                prefetch=self.config.zero.prefetch)
         return GradientReducingOptimizer(optimizer, reduce_fn=self.gradient_reduce_fn())
 
     @functools.cached_property
@@ -268,7 +269,8 @@ class HorovodAdapter(Adapter):
         (`tfdist.sharding.weights`)."""
         if self.config.zero_stage == 3:
             return sharding.sharded_creation(
-                self._shard_collectives, regather=self.config.zero.reshard_after_forward)
+                self._shard_collectives, regather=self.config.zero.reshard_after_forward,
+                prefetch=self.config.zero.prefetch)
         return contextlib.nullcontext()
 
     def gradient_reduce_fn(self) -> Callable[[list[Any]], list[Any]]:

@@ -545,9 +545,11 @@ class _SlicedWeights(_SlicedMixin):
 
     zero_stage = 3
     regather = True  # Each layer's weights gathered again in its backward pass.
+    prefetch = 1  # Units gathered ahead (`tfdist.sharding.units`).
 
     def creation_scope(self, model: Any = None) -> contextlib.AbstractContextManager[None]:
-        return sharded_creation(self._collectives, regather=self.regather, model=model)
+        return sharded_creation(self._collectives, regather=self.regather, model=model,
+                                prefetch=self.prefetch)
 
     def _check_storage(self, variables: list[Any]) -> None:
         _check_stored_sharded(variables)
@@ -646,7 +648,7 @@ def check_stage(stage: int, optimizer: keras.optimizers.Optimizer) -> None:
 
 def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardCollectives,
                       stage: int, reduce_in_backward: bool = True,
-                      regather: bool = True) -> keras.optimizers.Optimizer:
+                      regather: bool = True, prefetch: int = 1) -> keras.optimizers.Optimizer:
     """`optimizer`'s class and config, holding and updating only this rank's partition.
 
     Args:
@@ -663,7 +665,8 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
             without sharding). Stage 3 always reduces in the backward pass.
         regather: At stage 3, the weights of a model built inside `fit` are created
             as `sharded_creation(collectives, regather)` creates them
-            (`creation_scope`): each layer's gathered again in its backward pass.
+            (`creation_scope`): each layer's gathered again in its backward pass,
+            `prefetch` unit calls ahead.
 
     Raises:
         ConfigError: an optimizer that is not element-wise at stage 2 (`ELEMENT_WISE`).
@@ -684,7 +687,7 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
     sharded._collectives = collectives
     sharded.reduce_in_backward = reduce_in_backward or stage == 3
     if stage == 3:
-        sharded.regather = regather
+        sharded.regather, sharded.prefetch = regather, prefetch
     return sharded
 
 

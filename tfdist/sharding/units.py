@@ -24,6 +24,15 @@ a variable's assign) is refused with one line naming it.
 The recompute costs about one more forward pass of each unit. A weight read by another
 layer than its own (a tied embedding) is gathered for that read alone, as before.
 
+Prefetch (`prefetch` units ahead, FSDP's forward and backward prefetch): the outermost
+unit calls of a traced forward pass are noted in call order. A call's forward gather
+waits for the inputs of the call `prefetch` places before it, not its own, so it runs
+while those calls compute; in the backward pass, the backward of each call also issues
+the gathers of the `prefetch` calls before it (after its own incoming gradient), which
+their backward then takes. Every rank traces the same calls, so the ranks issue the same
+collectives in the same order (`tfdist.horovod.ordering`); each one ahead holds one more
+unit's whole weights.
+
 Example:
 
     with sharded_creation(collectives, regather=True):
@@ -33,7 +42,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import threading
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -55,6 +66,41 @@ _STATEFUL_OPS = frozenset({
     "AssignSubVariableOp", "ResourceScatterUpdate", "ResourceScatterAdd"})
 
 
+class _Tracing(threading.local):
+    """How many unit bodies (a forward call, or a backward pass's recompute) are being
+    traced now: a unit called inside one is nested, and gathers for itself alone."""
+
+    depth = 0
+
+
+_tracing = _Tracing()
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One outermost call of a unit in a traced forward pass: what its backward pass, or
+    a later call's backward pass prefetching for it, gathers from."""
+
+    unit: "Unit"
+    shards: list[tf.Tensor]  # this rank's slices, read for the call
+    inputs: list[tf.Tensor]  # its floating inputs: a gather that waits for them
+    dtype: Any  # the dtype its weights are gathered in
+    prefetched: list[tf.Tensor] | None = None  # its backward gather, issued ahead
+    backward_traced: bool = False
+
+
+def _forward_calls(graph: Any) -> list[_Call]:
+    """The outermost unit calls traced in `graph`'s forward pass so far, in call order.
+
+    Kept on the graph itself: they die with it (a dictionary keyed by the graph would keep
+    it alive through the tensors it holds)."""
+    calls = getattr(graph, "_tfdist_unit_calls", None)
+    if calls is None:
+        calls = []
+        graph._tfdist_unit_calls = calls
+    return calls
+
+
 class UnitState(enum.Enum):
     """Where a unit's weights are: as this rank's slices, or gathered whole for a call."""
 
@@ -72,17 +118,20 @@ class Unit:
 
     Args:
         layer: The Keras layer.
+        prefetch: How many outermost unit calls ahead its weights are gathered (see the
+            module's docstring); 0: its gathers wait for its own input and incoming gradient.
 
     Example:
 
-        unit = Unit(layer)
+        unit = Unit(layer, prefetch=1)
         unit.add(weight)       # a ShardedWeight the layer created
         unit.install()         # from now on, the layer's calls gather, call and drop
     """
 
-    def __init__(self, layer: Any):
+    def __init__(self, layer: Any, prefetch: int = 1):
         self._layer = weakref.ref(layer)
         self.name = layer.name
+        self.prefetch = prefetch
         self.weights: list[Any] = []  # ShardedWeights, in creation order.
         self.state = UnitState.SHARDED
         self._values: dict[int, tf.Tensor] = {}  # id(weight) -> its gathered value.
@@ -165,23 +214,55 @@ class Unit:
         # it (FSDP's `param_dtype`), the whole copies take half the bytes of float32. The
         # slices, the optimizer state and the reduce-scatter of each gradient stay float32.
         gather_dtype = hooks.autocast_dtype(layer)
+        # A nested call (inside another unit's call or recompute) gathers for itself alone.
+        ahead = self.prefetch if _tracing.depth == 0 else 0
 
         @tf.custom_gradient
         def unit_call(*tensors: tf.Tensor) -> Any:
             inputs, shards = tensors[:count], tensors[count:]
             first_op = len(graph.get_operations())
             a, k = rebuilt(inputs)
-            outputs = self._calling(
-                call, self._gathered(shards, inputs, "forward", gather_dtype), a, k)
+            after, calls, this = inputs, [], None
+            if ahead:
+                calls = _forward_calls(graph)
+                this = _Call(self, list(shards), list(inputs), gather_dtype)
+                calls.append(this)
+                # Prefetch: the gather may start as soon as the call `ahead` places before
+                # this one has its inputs, while that call (and those after it) compute.
+                after = calls[max(0, len(calls) - 1 - ahead)].inputs
+            _tracing.depth += 1
+            try:
+                outputs = self._calling(
+                    call, self._gathered(shards, after, "forward", gather_dtype), a, k)
+            finally:
+                _tracing.depth -= 1
             self._check_replayable(graph, first_op)
 
             def grad(*upstream: tf.Tensor, variables: Sequence[Any] | None = None) -> Any:
                 variables = list(variables or [])
-                again = self._gathered(shards, upstream, "backward", gather_dtype)
-                with tf.GradientTape() as tape, keras_state():
-                    tape.watch([*inputs, *again])
-                    a, k = rebuilt(inputs)
-                    recomputed = self._calling(call, again, a, k)
+                # A backward traced in another graph (a loop's gradient) prefetches nothing.
+                planned = this is not None and tf.compat.v1.get_default_graph() is graph
+                if planned and this.prefetched is not None:
+                    again, this.prefetched = this.prefetched, None
+                else:
+                    again = self._gathered(shards, upstream, "backward", gather_dtype)
+                if planned:
+                    this.backward_traced = True
+                    position = calls.index(this)
+                    # Backward prefetch: the calls before this one, nearest first, gathered
+                    # while this one's backward computes.
+                    for earlier in reversed(calls[max(0, position - ahead):position]):
+                        if earlier.prefetched is None and not earlier.backward_traced:
+                            earlier.prefetched = earlier.unit._gathered(
+                                earlier.shards, upstream, "backward", earlier.dtype)
+                _tracing.depth += 1
+                try:
+                    with tf.GradientTape() as tape, keras_state():
+                        tape.watch([*inputs, *again])
+                        a, k = rebuilt(inputs)
+                        recomputed = self._calling(call, again, a, k)
+                finally:
+                    _tracing.depth -= 1
                 targets = tf.nest.flatten(recomputed)
                 sources = [*inputs, *again, *variables]
                 grads = tape.gradient(targets, sources, output_gradients=list(upstream))

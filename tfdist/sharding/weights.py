@@ -475,7 +475,7 @@ def whole_creation() -> Iterator[None]:
 
 @contextlib.contextmanager
 def sharded_creation(collectives: ShardCollectives, regather: bool = True,
-                     model: Any = None) -> Iterator[None]:
+                     model: Any = None, prefetch: int = 1) -> Iterator[None]:
     """Trainable variables created inside are stored as this rank's slice (`ShardedWeight`).
 
     Every rank must create the same variables in the same order (as data-parallel ranks
@@ -490,6 +490,8 @@ def sharded_creation(collectives: ShardCollectives, regather: bool = True,
             its backward pass gathers them again. False: each read of a weight gathers
             it, and the gathered value lives until the backward pass has used it.
         model: The model being built inside, if any (one built on its first batch).
+        prefetch: With `regather`, how many unit calls ahead each unit's weights are
+            gathered (`tfdist.sharding.units`); 0: each waits for its own input.
 
     Each weight joins its layer's unit when the scope ends: Keras may create a layer's
     variables after its `build`, when the outermost layer being built is done (a model
@@ -538,13 +540,13 @@ def sharded_creation(collectives: ShardCollectives, regather: bool = True,
             owners.update({id(held(variable)): layer for variable in weights})
     for weight, _ in created:
         if id(weight) in owners:  # else a variable no layer tracks: each read gathers it
-            _join_unit(owners[id(weight)], weight)
+            _join_unit(owners[id(weight)], weight, prefetch)
 
 
-def _join_unit(layer: Any, weight: ShardedWeight) -> None:
+def _join_unit(layer: Any, weight: ShardedWeight, prefetch: int) -> None:
     """Makes `weight` one of the weights of `layer`'s unit (made and installed first)."""
     unit = _units.get(layer)
     if unit is None:
-        unit = _units[layer] = Unit(layer)
+        unit = _units[layer] = Unit(layer, prefetch)
         unit.install()
     unit.add(weight)
