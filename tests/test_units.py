@@ -106,7 +106,7 @@ OPTIMIZERS = {"sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
               "adam": lambda: keras.optimizers.Adam(0.01)}
 
 
-def train(kind, optimizer, how, collectives=None, policy="float32", prefetch=1):
+def train(kind, optimizer, how, collectives=None, policy="float32", prefetch=0):
     """(final weights, model, collectives) of 2 epochs: "plain" Keras, or stage 3 "held"
     (each gathered weight kept to the backward) or "regathered" (units, gathered `prefetch`
     calls ahead)."""

@@ -225,11 +225,12 @@ class ZeroConfig:
               "weights at a time. false: each gathered weight lives until the backward pass "
               "has used it, so at the peak every rank holds the whole model's.")
     prefetch: int = _field(
-        1, "With zero.reshard_after_forward, how many layers ahead each layer's weights are "
+        0, "With zero.reshard_after_forward, how many layers ahead each layer's weights are "
            "gathered: in the forward pass while the layers before it compute, in the "
            "backward pass while the layers after it do (FSDP's forward and backward "
            "prefetch). Each one ahead holds one more layer's whole weights. 0: each "
-           "layer's gather waits for its own input.",
+           "layer's gather waits for its own input (on CPUs, where Horovod's collectives "
+           "share the cores with the compute, 1 measured slower).",
         bound=_at_least(0, "an integer >= 0 (layers gathered ahead; 0: none)"))
 
 

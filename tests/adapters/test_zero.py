@@ -72,6 +72,14 @@ EQUIVALENT.update({
                             optimizer, model)
     for model in ("two_inputs", "subclassed", "deferred")
     for suffix, optimizer in (("", "adam_clip"), ("_sgd", SGD))})
+# Stage 3 gathering one and two layers ahead (zero.prefetch): the same numbers, with each
+# gather started earlier; on the functional model a layer is called twice in a step.
+EQUIVALENT.update({
+    "s3_prefetch_sgd": (["--stage=3", f"--optimizer={SGD}", "--prefetch=1"], SGD),
+    "s3_prefetch_2_adam_clip": (["--stage=3", "--optimizer=adam_clip", "--prefetch=2"],
+                                "adam_clip"),
+    "s3_two_inputs_prefetch_sgd": (["--stage=3", f"--optimizer={SGD}", "--model=two_inputs",
+                                    "--prefetch=1"], SGD, "two_inputs")})
 # Dropout, BatchNormalization and a layer that drops inside its own call, at stage 3
 # gathering again and holding: the same run, since the recompute must replay the forward.
 RECOMPUTE = {f"s3_dropout_bn{suffix}": (["--stage=3", "--optimizer=adam_clip",

@@ -545,7 +545,7 @@ class _SlicedWeights(_SlicedMixin):
 
     zero_stage = 3
     regather = True  # Each layer's weights gathered again in its backward pass.
-    prefetch = 1  # Units gathered ahead (`tfdist.sharding.units`).
+    prefetch = 0  # Units gathered ahead (`tfdist.sharding.units`).
 
     def creation_scope(self, model: Any = None) -> contextlib.AbstractContextManager[None]:
         return sharded_creation(self._collectives, regather=self.regather, model=model,
@@ -648,7 +648,7 @@ def check_stage(stage: int, optimizer: keras.optimizers.Optimizer) -> None:
 
 def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardCollectives,
                       stage: int, reduce_in_backward: bool = True,
-                      regather: bool = True, prefetch: int = 1) -> keras.optimizers.Optimizer:
+                      regather: bool = True, prefetch: int = 0) -> keras.optimizers.Optimizer:
     """`optimizer`'s class and config, holding and updating only this rank's partition.
 
     Args:

@@ -128,7 +128,7 @@ class Unit:
         unit.install()         # from now on, the layer's calls gather, call and drop
     """
 
-    def __init__(self, layer: Any, prefetch: int = 1):
+    def __init__(self, layer: Any, prefetch: int = 0):
         self._layer = weakref.ref(layer)
         self.name = layer.name
         self.prefetch = prefetch

@@ -475,7 +475,7 @@ def whole_creation() -> Iterator[None]:
 
 @contextlib.contextmanager
 def sharded_creation(collectives: ShardCollectives, regather: bool = True,
-                     model: Any = None, prefetch: int = 1) -> Iterator[None]:
+                     model: Any = None, prefetch: int = 0) -> Iterator[None]:
     """Trainable variables created inside are stored as this rank's slice (`ShardedWeight`).
 
     Every rank must create the same variables in the same order (as data-parallel ranks
