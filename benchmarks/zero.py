@@ -73,16 +73,22 @@ sys.path.insert(0, REPO)
 
 WIDTH, LAYERS = 800, 40  # 25.6 M parameters, the largest layer 1/40 of them
 # The settings: zero_stage, and at stage 3 whether each layer's weights are gathered again
-# in the backward pass (zero.reshard_after_forward) and how many layers ahead (zero.prefetch).
-SETTINGS = {"0": (0, True, 1), "1": (1, True, 1), "2": (2, True, 1), "3held": (3, False, 1),
-            "3": (3, True, 0), "3p1": (3, True, 1)}
+# in the backward pass (zero.reshard_after_forward), how many layers ahead (zero.prefetch)
+# and in buckets of how many MiB (zero.bucket_mb; 0: one collective per weight).
+SETTINGS = {"0": (0, True, 1, 0), "1": (1, True, 1, 0), "2": (2, True, 1, 0),
+            "3held": (3, False, 1, 0), "3": (3, True, 0, 0), "3p1": (3, True, 1, 0),
+            "3b": (3, True, 0, 16)}
 # What each stage should save per parameter and rank, times (1 - 1/N): Adam's two float32
 # moments at stage 1, the float32 gradient too at stage 2, and the weights at stage 3.
-IDEAL_BYTES_PER_PARAMETER = {"1": 8, "2": 12, "3held": 16, "3": 16, "3p1": 16}
+IDEAL_BYTES_PER_PARAMETER = {"1": 8, "2": 12, "3held": 16, "3": 16, "3p1": 16, "3b": 16}
 DEEPSPEED = {"0": lambda n: 16.0, "1": lambda n: 4 + 12 / n, "2": lambda n: 2 + 14 / n,
-             "3held": lambda n: 16 / n, "3": lambda n: 16 / n, "3p1": lambda n: 16 / n}
+             **{name: lambda n: 16 / n for name in ("3held", "3", "3p1", "3b")}}
 # Step time over stage 0's: the issues' bounds.
-TIME_TARGETS = {"1": "<= 1.25", "2": "<= 1.1", "3held": "<= 1.3", "3": "<= 1.5", "3p1": ""}
+TIME_TARGETS = {"1": "<= 1.25", "2": "<= 1.1", "3held": "<= 1.3", "3": "<= 1.5", "3p1": "",
+                "3b": ""}
+# Stage 3's variants measured against "3" on the same ranks: what each changes.
+VARIANTS = {"3p1": ("prefetch", "zero.prefetch 1 / with 0"),
+            "3b": ("bucket", "zero.bucket_mb 16 / with 0")}
 # Llama 2 7B: its parameters, and its largest layers' (the embedding, the output projection).
 PROJECTED_PARAMETERS, PROJECTED_LARGEST_LAYER = 6.74e9, 32_000 * 4_096
 PROJECTED_RANKS = (8, 16, 32, 64)
@@ -105,10 +111,11 @@ def run_rank(args: argparse.Namespace) -> None:
     from tfdist.memory import PeakMemory, allocator_bytes
     from tfdist.sharding import state_bytes, stored_variable
 
-    stage, reshard, prefetch = SETTINGS[args.setting]
+    stage, reshard, prefetch, bucket_mb = SETTINGS[args.setting]
     runner = tfdist.Runner(tfdist.load_config(overrides={
         "strategy": "horovod", "zero_stage": stage, "zero.reshard_after_forward": reshard,
-        "zero.prefetch": prefetch, "precision": args.precision, "seed": 0}))
+        "zero.prefetch": prefetch, "zero.bucket_mb": bucket_mb, "precision": args.precision,
+        "seed": 0}))
     hvd = import_horovod()
     rng = np.random.default_rng(0)
     batch = args.batch_per_rank * runner.num_replicas
@@ -229,17 +236,17 @@ def stage_figures(settings: dict[str, list[dict]], ranks: int, name: str,
     return figures
 
 
-def prefetch_figures(settings: dict[str, list[dict]], ranks: int) -> list:
-    """Prefetch's effect on `ranks` ranks: stage 3's step time and peak one layer ahead
-    ("3p1") over those of the same ranks without prefetch ("3"), rank by rank."""
-    ahead, none = settings[f"{ranks}x3p1"], settings[f"{ranks}x3"]
-    return [figure(f"prefetch_time_{ranks}r", f"{ranks} ranks, stage 3: step time with "
-                   f"zero.prefetch 1 / with 0",
-                   [a["step_seconds"] / b["step_seconds"] for a, b in zip(ahead, none)]),
-            figure(f"prefetch_peak_{ranks}r", f"{ranks} ranks, stage 3: allocator peak "
-                   f"{PEAKS['steps']} with zero.prefetch 1 / with 0",
+def variant_figures(settings: dict[str, list[dict]], ranks: int, name: str) -> list:
+    """The effect of stage 3's variant `name` (`VARIANTS`: one layer ahead, buckets) on
+    `ranks` ranks: its step time and peak over those of "3" on the same ranks, rank by rank."""
+    key, what = VARIANTS[name]
+    variant, plain = settings[f"{ranks}x{name}"], settings[f"{ranks}x3"]
+    return [figure(f"{key}_time_{ranks}r", f"{ranks} ranks, stage 3: step time with {what}",
+                   [a["step_seconds"] / b["step_seconds"] for a, b in zip(variant, plain)]),
+            figure(f"{key}_peak_{ranks}r", f"{ranks} ranks, stage 3: allocator peak "
+                   f"{PEAKS['steps']} with {what}",
                    [a["steps_peak_bytes"] / b["steps_peak_bytes"]
-                    for a, b in zip(ahead, none)])]
+                    for a, b in zip(variant, plain)])]
 
 
 def transient(settings: dict[str, list[dict]], ranks: list[int]) -> dict | None:
@@ -290,7 +297,7 @@ def projection(settings: dict[str, list[dict]], args: argparse.Namespace,
                         "tfdist_gb": tfdist_bytes_per_parameter(name, n)
                         * PROJECTED_PARAMETERS / 1e9}
                     for n in PROJECTED_RANKS}
-             for name in SETTINGS if name != "3p1" and (name != "3" or held is not None)}
+             for name in SETTINGS if name not in VARIANTS and (name != "3" or held is not None)}
     figures = [figure(f"projection_7b_{n}r_s3", f"7 B parameters on {n} ranks, stage 3 "
                       f"gathering again: tfdist's bytes per rank / DeepSpeed's stage-3 formula",
                       [table["3"][n]["tfdist_gb"] / table["3"][n]["deepspeed_gb"]],
@@ -324,8 +331,8 @@ def main() -> None:
     parameters = settings[f"{args.ranks[0]}x0"][0]["parameters"]
     figures = [f for ranks in args.ranks for name in args.settings[1:]
                for f in stage_figures(settings, ranks, name, parameters)]
-    if {"3", "3p1"} <= set(args.settings):
-        figures += [f for ranks in args.ranks for f in prefetch_figures(settings, ranks)]
+    figures += [f for name in VARIANTS if {"3", name} <= set(args.settings)
+                for ranks in args.ranks for f in variant_figures(settings, ranks, name)]
     table, held, projected = projection(settings, args, parameters)
     figures += projected
     for name, row in table.items():

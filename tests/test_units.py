@@ -22,7 +22,7 @@ from tfdist.patches import keras_trainer
 from tfdist.sharding import (OneRankCollectives, is_sharded, sharded_creation,
                              sharded_optimizer)
 from tfdist.sharding.hooks import held
-from tfdist.sharding.units import Unit, units_of
+from tfdist.sharding.units import Gathering, Unit, buckets, units_of
 
 BATCH, STEPS = 8, 4
 
@@ -106,17 +106,19 @@ OPTIMIZERS = {"sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
               "adam": lambda: keras.optimizers.Adam(0.01)}
 
 
-def train(kind, optimizer, how, collectives=None, policy="float32", prefetch=0):
+def train(kind, optimizer, how, collectives=None, policy="float32", prefetch=0, bucket_bytes=0):
     """(final weights, model, collectives) of 2 epochs: "plain" Keras, or stage 3 "held"
     (each gathered weight kept to the backward) or "regathered" (units, gathered `prefetch`
-    calls ahead)."""
+    calls ahead, in buckets of `bucket_bytes`)."""
     keras.backend.clear_session()
     keras.config.set_dtype_policy(policy)  # conftest restores the default after the test
     collectives = collectives or RecordedCollectives()
     if how == "plain":
         model, made = make_model(kind), OPTIMIZERS[optimizer]()
     else:
-        with sharded_creation(collectives, regather=how == "regathered", prefetch=prefetch):
+        gathering = Gathering(regather=how == "regathered", prefetch=prefetch,
+                              bucket_bytes=bucket_bytes)
+        with sharded_creation(collectives, gathering):
             model = make_model(kind)
         made = sharded_optimizer(OPTIMIZERS[optimizer](), collectives, 3)
     model.compile(made, "mse")
@@ -125,6 +127,20 @@ def train(kind, optimizer, how, collectives=None, policy="float32", prefetch=0):
     inputs, targets = make_data(kind)
     model.fit(inputs, targets, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     return [np.asarray(w) for w in model.get_weights()], model, collectives
+
+
+def step_graph(collectives):
+    """The traced train step: of the graphs that reduce-scatter gradients, the one in which
+    the most collectives were issued (the end of fit gathers each weight and state in
+    another)."""
+    return max((graph for graph, names in collectives.issued.items()
+                if any(name.startswith("tfdist_zero3_gradient_") for name in names)),
+               key=lambda graph: len(collectives.issued[graph]))
+
+
+def step_collectives(collectives):
+    """How many times the train step issues each collective, by name."""
+    return collections.Counter(collectives.issued[step_graph(collectives)])
 
 
 def largest_difference(first, second):
@@ -138,7 +154,7 @@ def test_each_layer_that_creates_weights_is_a_unit_of_its_own():
     assert [unit.name for unit in units] == ["dense", "batch_normalization", "dense_1"]
     assert [len(unit.weights) for unit in units] == [2, 2, 2]
     assert all(held(v).unit.name == v.path.split("/")[-2] for v in model.trainable_variables)
-    with sharded_creation(OneRankCollectives(), regather=False):
+    with sharded_creation(OneRankCollectives(), Gathering(regather=False)):
         assert units_of(make_model("sequential")) == []
 
 
@@ -177,7 +193,7 @@ def test_under_a_mixed_policy_units_gather_in_the_compute_dtype_keras_reads_in(k
     # SGD: its update follows each gradient element, where Adam's would hide a scale.
     regathered, model, collectives = train(kind, "sgd_momentum", "regathered", policy=policy)
     compute = policy.split("_")[1]
-    step = set(max(collectives.issued.values(), key=len))  # the train step's collectives
+    step = set(step_collectives(collectives))  # the train step's collectives
     moved = collections.defaultdict(set)  # what each kind of collective moved in it
     for name in step:
         moved[name.rsplit("_", 1)[0]].add(collectives.dtypes[name])
@@ -224,7 +240,7 @@ def test_units_gathered_in_bfloat16_train_exactly_as_plain_keras_without_onednns
 def test_each_weight_is_gathered_twice_and_reduce_scattered_once_per_step(prefetch):
     _, model, collectives = train("sequential", "sgd_momentum", "regathered",
                                   prefetch=prefetch)
-    step = max(collectives.issued.values(), key=len)  # the train step's graph
+    step = collectives.issued[step_graph(collectives)]
     counts = collections.Counter(step)
     dense = [held(v).index for v in model.trainable_variables
              if "batch_normalization" not in v.path]
@@ -239,11 +255,6 @@ def test_each_weight_is_gathered_twice_and_reduce_scattered_once_per_step(prefet
                 counts[f"tfdist_zero3_weight_{index}"],
                 counts[f"tfdist_zero3_gradient_{index}"]] == [0, 1, 1], index
     assert len(step) == 3 * len(dense) + 2 * len(norm)
-
-
-def step_graph(collectives):
-    """The traced train step: the graph in which the most collectives were issued."""
-    return max(collectives.issued, key=lambda graph: len(collectives.issued[graph]))
 
 
 def matmuls_before(graph, name):
@@ -289,7 +300,7 @@ def test_prefetch_gathers_each_unit_while_the_units_before_and_after_it_compute(
 
 def test_a_layer_called_twice_in_a_step_gathers_for_each_call():
     _, model, collectives = train("functional", "sgd_momentum", "regathered")
-    step = collections.Counter(max(collectives.issued.values(), key=len))
+    step = step_collectives(collectives)
     shared = next(layer for layer in model.layers if len(layer._inbound_nodes) == 2)
     for variable in shared.trainable_variables:
         index = held(variable).index
@@ -374,3 +385,53 @@ def test_a_creation_scope_inside_another_slices_each_weight_once():
         weight = keras.Variable(np.arange(6.0, dtype="float32"))
     assert isinstance(held(weight).shard, tf.Variable)  # not a slice of a slice
     np.testing.assert_array_equal(np.asarray(weight), np.arange(6.0))
+
+
+def test_buckets_are_runs_of_consecutive_weights_within_the_bytes():
+    assert buckets([400, 40, 400, 40], 500) == [[0, 1], [2, 3]]
+    assert buckets([400, 40, 400, 40], 0) == [[0], [1], [2], [3]]
+    assert buckets([900, 40, 40], 500) == [[0], [1, 2]]  # a larger weight goes alone
+    assert buckets([10, 10, 10], 1 << 20) == [[0, 1, 2]]
+    assert buckets([], 100) == []
+
+
+@pytest.mark.parametrize("kind", ["sequential", "functional", "embedding", "subclassed"])
+def test_a_bucket_gathers_each_units_weights_and_reduce_scatters_their_gradients_in_one(kind):
+    unbucketed, alone_model, each = train(kind, "sgd_momentum", "regathered")
+    bucketed, model, collectives = train(kind, "sgd_momentum", "regathered",
+                                         bucket_bytes=1 << 20)
+    # Each rank's slices side by side, cut back apart: the same numbers.
+    assert largest_difference(bucketed, unbucketed) == 0.0
+    step, alone = step_collectives(collectives), step_collectives(each)
+    names = ("unit_forward", "unit_backward", "gradient")
+    alone_units = {unit.name: unit for unit in units_of(alone_model)}
+    for unit in filter(lambda unit: unit.recomputed, units_of(model)):
+        first, *others = [weight.index for weight in unit.weights]
+        # The unit's collectives, named after its first weight: as many as each of its
+        # weights had alone (a nested unit gathers again in its outer unit's recompute).
+        counts = [step[f"tfdist_zero3_{name}_{first}"] for name in names]
+        assert min(counts) >= 1, unit
+        for weight in alone_units[unit.name].weights:
+            assert [alone[f"tfdist_zero3_{name}_{weight.index}"] for name in names] == counts
+        for index in others:  # in the first weight's collectives, none of their own
+            assert [step[f"tfdist_zero3_{name}_{index}"] for name in names] == [0, 0, 0], unit
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_a_bucket_under_a_mixed_policy_gathers_in_the_compute_dtype(policy):
+    unbucketed, _, _ = train("functional", "sgd_momentum", "regathered", policy=policy)
+    bucketed, _, collectives = train("functional", "sgd_momentum", "regathered", policy=policy,
+                                     bucket_bytes=1 << 20)
+    assert largest_difference(bucketed, unbucketed) == 0.0
+    moved = {collectives.dtypes[name] for name in step_collectives(collectives)}
+    assert moved == {policy.split("_")[1], "float32"}  # gathers; the gradients' reduce-scatter
+
+
+def test_a_bucket_holds_the_weights_that_fit_and_a_larger_one_goes_alone():
+    # Dense(16)'s kernel is 8 * 16 * 4 = 512 bytes, its bias 64: a bucket of 100 bytes
+    # takes the bias alone; the kernel goes in one of its own.
+    _, model, collectives = train("chain", "sgd_momentum", "regathered", bucket_bytes=100)
+    step = step_collectives(collectives)
+    first = model.layers[0]
+    assert step[f"tfdist_zero3_unit_forward_{held(first.kernel).index}"] == 1
+    assert step[f"tfdist_zero3_unit_forward_{held(first.bias).index}"] == 1

@@ -232,6 +232,13 @@ class ZeroConfig:
            "layer's gather waits for its own input (on CPUs, where Horovod's collectives "
            "share the cores with the compute, 1 measured slower).",
         bound=_at_least(0, "an integer >= 0 (layers gathered ahead; 0: none)"))
+    bucket_mb: float = _field(
+        0.0, "With zero.reshard_after_forward, a layer's weights are gathered in one "
+             "collective, and their gradients reduce-scattered in one, while their float32 "
+             "size together stays within this many MiB (a larger weight goes alone): fewer "
+             "collectives, each waiting for the one before it, for a copy of the bucket "
+             "when it is cut back into its weights. 0: one collective per weight.",
+        bound=_at_least(0, "a number >= 0 (MiB per bucket; 0: one collective per weight)"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,6 +80,14 @@ EQUIVALENT.update({
                                 "adam_clip"),
     "s3_two_inputs_prefetch_sgd": (["--stage=3", f"--optimizer={SGD}", "--model=two_inputs",
                                     "--prefetch=1"], SGD, "two_inputs")})
+# Stage 3 with each layer's weights gathered in one collective and their gradients
+# reduce-scattered in one (zero.bucket_mb): each rank's slices side by side, cut back apart.
+EQUIVALENT.update({
+    "s3_bucket_sgd": (["--stage=3", f"--optimizer={SGD}", "--bucket_mb=1"], SGD),
+    "s3_bucket_prefetch_adam_clip": (["--stage=3", "--optimizer=adam_clip", "--bucket_mb=1",
+                                      "--prefetch=1"], "adam_clip"),
+    "s3_subclassed_bucket_sgd": (["--stage=3", f"--optimizer={SGD}", "--model=subclassed",
+                                  "--bucket_mb=1"], SGD, "subclassed")})
 # Dropout, BatchNormalization and a layer that drops inside its own call, at stage 3
 # gathering again and holding: the same run, since the recompute must replay the forward.
 RECOMPUTE = {f"s3_dropout_bn{suffix}": (["--stage=3", "--optimizer=adam_clip",

@@ -159,6 +159,7 @@ def parse(argv):
                         help="zero.reshard_after_forward false: gathered weights held to the "
                              "backward pass")
     parser.add_argument("--prefetch", type=int, default=0, help="zero.prefetch (stage 3)")
+    parser.add_argument("--bucket_mb", type=float, default=0.0, help="zero.bucket_mb (stage 3)")
     parser.add_argument("--variants", help="JSON: {name: [args, ...]}, trained in turn")
     return parser.parse_args(argv)
 
@@ -173,7 +174,8 @@ def train(args):
     runner = tfdist.Runner(tfdist.load_config(overrides={
         "strategy": "horovod", "precision": args.precision, "zero_stage": args.stage,
         "accumulation_steps": args.accumulation,
-        "zero.reshard_after_forward": not args.held, "zero.prefetch": args.prefetch}))
+        "zero.reshard_after_forward": not args.held, "zero.prefetch": args.prefetch,
+        "zero.bucket_mb": args.bucket_mb}))
     import horovod.tensorflow as hvd
 
     rank, ranks = hvd.rank(), hvd.size()

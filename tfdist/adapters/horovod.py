@@ -256,9 +256,15 @@ class HorovodAdapter(Adapter):
             return sharding.sharded_optimizer(
                 optimizer, self._shard_collectives, self.config.zero_stage,
                 reduce_in_backward=self.config.accumulation_steps == 1,
-                regather=self.config.zero.reshard_after_forward,
-                prefetch=self.config.zero.prefetch)
+                gathering=self._gathering)
         return GradientReducingOptimizer(optimizer, reduce_fn=self.gradient_reduce_fn())
+
+    @property
+    def _gathering(self) -> sharding.Gathering:
+        """How zero_stage 3 gathers the weights: the config's `zero:` section."""
+        zero = self.config.zero
+        return sharding.Gathering(regather=zero.reshard_after_forward, prefetch=zero.prefetch,
+                                  bucket_bytes=int(zero.bucket_mb * (1 << 20)))
 
     @functools.cached_property
     def _shard_collectives(self) -> ShardCollectives:
@@ -268,9 +274,7 @@ class HorovodAdapter(Adapter):
         """At zero_stage 3, trainable variables are created as this rank's slice only
         (`tfdist.sharding.weights`)."""
         if self.config.zero_stage == 3:
-            return sharding.sharded_creation(
-                self._shard_collectives, regather=self.config.zero.reshard_after_forward,
-                prefetch=self.config.zero.prefetch)
+            return sharding.sharded_creation(self._shard_collectives, self._gathering)
         return contextlib.nullcontext()
 
     def gradient_reduce_fn(self) -> Callable[[list[Any]], list[Any]]:

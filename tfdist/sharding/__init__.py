@@ -44,11 +44,11 @@ from tfdist.sharding.layout import Piece, ShardLayout, Slicing
 from tfdist.sharding.optimizer import (ACCUMULATED, ELEMENT_WISE, WEIGHT, check_stage,
                                        find_sharded, sharded_optimizer)
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order, state_bytes
-from tfdist.sharding.units import Unit, UnitState, units_of
+from tfdist.sharding.units import Gathering, Unit, UnitState, units_of
 from tfdist.sharding.weights import (ReduceScatteredWeight, ShardedWeight, is_sharded,
                                      sharded_creation, stored_variable)
 
-__all__ = ["ACCUMULATED", "ELEMENT_WISE", "OneRankCollectives", "Other", "Piece",
+__all__ = ["ACCUMULATED", "ELEMENT_WISE", "Gathering", "OneRankCollectives", "Other", "Piece",
            "ReduceScatteredWeight", "ShardCollectives", "ShardLayout", "ShardPart",
            "ShardedWeight", "Slicing", "Slot", "Unit", "UnitState", "WEIGHT",
            "check_stage", "find_sharded", "is_sharded", "plain_order",

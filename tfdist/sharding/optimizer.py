@@ -30,6 +30,7 @@ from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding import private
 from tfdist.sharding.hooks import held
 from tfdist.sharding.state import Other, ShardPart, Slot, plain_order
+from tfdist.sharding.units import Gathering
 from tfdist.sharding.weights import (gradient_is_sliced, gradient_shape, is_sharded,
                                      reduce_scattered, sharded_creation, whole_creation)
 
@@ -544,12 +545,10 @@ class _SlicedWeights(_SlicedMixin):
     (`tfdist.sharding.weights`), which the update writes in place: nothing to gather."""
 
     zero_stage = 3
-    regather = True  # Each layer's weights gathered again in its backward pass.
-    prefetch = 0  # Units gathered ahead (`tfdist.sharding.units`).
+    gathering = Gathering()  # How the weights are gathered (`tfdist.sharding.units`).
 
     def creation_scope(self, model: Any = None) -> contextlib.AbstractContextManager[None]:
-        return sharded_creation(self._collectives, regather=self.regather, model=model,
-                                prefetch=self.prefetch)
+        return sharded_creation(self._collectives, self.gathering, model=model)
 
     def _check_storage(self, variables: list[Any]) -> None:
         _check_stored_sharded(variables)
@@ -648,7 +647,7 @@ def check_stage(stage: int, optimizer: keras.optimizers.Optimizer) -> None:
 
 def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardCollectives,
                       stage: int, reduce_in_backward: bool = True,
-                      regather: bool = True, prefetch: int = 0) -> keras.optimizers.Optimizer:
+                      gathering: Gathering = Gathering()) -> keras.optimizers.Optimizer:
     """`optimizer`'s class and config, holding and updating only this rank's partition.
 
     Args:
@@ -663,10 +662,10 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
             pass (True), or once per update, after it (False: with gradient
             accumulation, whose accumulators then stay whole and are checkpointed as
             without sharding). Stage 3 always reduces in the backward pass.
-        regather: At stage 3, the weights of a model built inside `fit` are created
-            as `sharded_creation(collectives, regather)` creates them
-            (`creation_scope`): each layer's gathered again in its backward pass,
-            `prefetch` unit calls ahead.
+        gathering: At stage 3, the weights of a model built inside `fit` are created
+            as `sharded_creation(collectives, gathering)` creates them
+            (`creation_scope`): by default each layer's gathered again in its backward
+            pass.
 
     Raises:
         ConfigError: an optimizer that is not element-wise at stage 2 (`ELEMENT_WISE`).
@@ -687,7 +686,7 @@ def sharded_optimizer(optimizer: keras.optimizers.Optimizer, collectives: ShardC
     sharded._collectives = collectives
     sharded.reduce_in_backward = reduce_in_backward or stage == 3
     if stage == 3:
-        sharded.regather, sharded.prefetch = regather, prefetch
+        sharded.gathering = gathering
     return sharded
 
 

@@ -33,9 +33,16 @@ their backward then takes. Every rank traces the same calls, so the ranks issue 
 collectives in the same order (`tfdist.horovod.ordering`); each one ahead holds one more
 unit's whole weights.
 
+Buckets (`bucket_bytes`, DeepSpeed's `stage3_prefetch_bucket_size` and
+`reduce_bucket_size`): a unit's weights are gathered in one collective per bucket, each
+rank's slices of them side by side, and their gradients reduce-scattered the same way,
+in place of one collective per weight. Collectives run one after another in a step
+(`tfdist.horovod.ordering`), so each one fewer is one negotiation fewer; the price is a
+copy of the bucket when it is cut back into its weights.
+
 Example:
 
-    with sharded_creation(collectives, regather=True):
+    with sharded_creation(collectives, Gathering(prefetch=1)):
         model = build_model()      # each Dense is a unit of its kernel and bias
     units_of(model)                # [<Unit dense: 2 weights, sharded>, ...]
 """
@@ -64,6 +71,53 @@ _STATEFUL_OPS = frozenset({
     "StatefulUniformFullInt", "StatefulStandardNormalV2", "StatefulTruncatedNormal",
     "RngSkip", "RngReadAndSkip", "AssignVariableOp", "AssignAddVariableOp",
     "AssignSubVariableOp", "ResourceScatterUpdate", "ResourceScatterAdd"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathering:
+    """How zero_stage 3 gathers each layer's weights: the `zero:` config section.
+
+    Attributes:
+        regather: Each layer that creates weights is a unit of them (`Unit`), gathered
+            for its call, dropped after it, and gathered again in its backward pass.
+            False: each read of a weight gathers it, and the gathered value lives until
+            the backward pass has used it.
+        prefetch: With `regather`, how many outermost unit calls ahead each unit's
+            weights are gathered; 0: its gathers wait for its own input and incoming
+            gradient.
+        bucket_bytes: With `regather`, a unit's weights go in one collective each way
+            while their float32 bytes together stay within this many (a larger weight
+            goes alone); 0: one collective per weight.
+
+    Example:
+
+        with sharded_creation(collectives, Gathering(prefetch=1, bucket_bytes=16 << 20)):
+            model = build_model()
+    """
+
+    regather: bool = True
+    prefetch: int = 0
+    bucket_bytes: int = 0
+
+
+def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """`sizes` (bytes, in order) cut into runs of consecutive indices whose bytes stay
+    within `bucket_bytes`; a size over it is a run of its own, and 0 makes each its own.
+
+    Example:
+
+        buckets([400, 40, 400, 40], 500)   # [[0, 1], [2, 3]]
+    """
+    runs: list[list[int]] = []
+    total = 0
+    for index, size in enumerate(sizes):
+        if runs and total + size <= bucket_bytes:
+            runs[-1].append(index)
+            total += size
+        else:
+            runs.append([index])
+            total = size
+    return runs
 
 
 class _Tracing(threading.local):
@@ -118,20 +172,21 @@ class Unit:
 
     Args:
         layer: The Keras layer.
-        prefetch: How many outermost unit calls ahead its weights are gathered (see the
-            module's docstring); 0: its gathers wait for its own input and incoming gradient.
+        gathering: How far ahead its weights are gathered (`prefetch`), and in how many
+            collectives (`bucket_bytes`).
 
     Example:
 
-        unit = Unit(layer, prefetch=1)
+        unit = Unit(layer, Gathering(prefetch=1))
         unit.add(weight)       # a ShardedWeight the layer created
         unit.install()         # from now on, the layer's calls gather, call and drop
     """
 
-    def __init__(self, layer: Any, prefetch: int = 0):
+    def __init__(self, layer: Any, gathering: Gathering = Gathering()):
         self._layer = weakref.ref(layer)
         self.name = layer.name
-        self.prefetch = prefetch
+        self.prefetch = gathering.prefetch
+        self.bucket_bytes = gathering.bucket_bytes
         self.weights: list[Any] = []  # ShardedWeights, in creation order.
         self.state = UnitState.SHARDED
         self._values: dict[int, tf.Tensor] = {}  # id(weight) -> its gathered value.
@@ -156,6 +211,15 @@ class Unit:
         for weight in self.weights:
             weight.unit = None
 
+    @property
+    def recomputed(self) -> bool:
+        """Whether its traced calls gather, call and drop, and its backward passes gather
+        again and recompute: a layer with variables of its own that are not trained
+        (BatchNormalization's statistics, a seed's state) updates them in its call, so its
+        weights are read as before, each gather held from forward to backward."""
+        layer = self._layer()
+        return layer is not None and not layer.non_trainable_variables
+
     def value_of(self, weight: Any) -> tf.Tensor | None:
         """The gathered value of `weight` while the unit is gathered, else None (a read
         outside the unit's call gathers for itself)."""
@@ -163,15 +227,40 @@ class Unit:
             return self._values.get(id(weight))
         return None
 
+    def _buckets(self) -> list[list[int]]:
+        """The unit's weights (indices in `weights`) in the groups each collective moves."""
+        return buckets([weight.size * weight.dtype.size for weight in self.weights],
+                       self.bucket_bytes)
+
     def _gathered(self, shards: Sequence[tf.Tensor], after: Sequence[tf.Tensor],
                   direction: str, dtype: Any = None) -> list[tf.Tensor]:
-        """Each weight's whole value, gathered once every tensor in `after` exists; in
-        `dtype` where given (each slice cast before the gather, as Keras casts the whole
-        weight: the same values, in fewer bytes moved and held)."""
+        """Each weight's whole value, gathered once every tensor in `after` exists, one
+        collective per bucket; in `dtype` where given (each slice cast before the gather,
+        as Keras casts the whole weight: the same values, in fewer bytes moved and held)."""
+        pieces = [shard if dtype is None else tf.cast(shard, dtype) for shard in shards]
+        values: list[tf.Tensor] = [None] * len(self.weights)
         with tf.control_dependencies([t for t in after if t is not None]):
-            return [weight.whole_from(shard if dtype is None else tf.cast(shard, dtype),
-                                      f"unit_{direction}_{weight.index}")
-                    for weight, shard in zip(self.weights, shards)]
+            for bucket in self._buckets():
+                gathered = gather_bucket([self.weights[i] for i in bucket],
+                                         [pieces[i] for i in bucket],
+                                         f"unit_{direction}_{self.weights[bucket[0]].index}")
+                for i, value in zip(bucket, gathered):
+                    values[i] = value
+        return values
+
+    def _reduce_scattered(self, grads: Sequence[tf.Tensor | None]) -> list[tf.Tensor | None]:
+        """This rank's averaged slice of each weight's gradient, one collective per bucket
+        of the weights that have one."""
+        sliced: list[tf.Tensor | None] = [None] * len(self.weights)
+        for bucket in self._buckets():
+            present = [i for i in bucket if grads[i] is not None]
+            if present:
+                reduced = reduce_scatter_bucket(
+                    [self.weights[i] for i in present],
+                    [tf.cast(grads[i], self.weights[i].dtype) for i in present])
+                for i, value in zip(present, reduced):
+                    sliced[i] = value
+        return sliced
 
     def _calling(self, call: Callable[..., Any], values: Sequence[tf.Tensor],
                  args: Any, kwargs: Any) -> Any:
@@ -187,7 +276,7 @@ class Unit:
     def _call(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         layer = self._layer()
         if (not record.could_possibly_record() or tf.executing_eagerly()
-                or self.state is UnitState.GATHERED or layer.non_trainable_variables):
+                or self.state is UnitState.GATHERED or not self.recomputed):
             # No tape (inference, a symbolic call), eager code (a debugging step), the
             # unit's own call nested in itself, or state the recompute would update twice:
             # the weights are read as before.
@@ -267,9 +356,7 @@ class Unit:
                 sources = [*inputs, *again, *variables]
                 grads = tape.gradient(targets, sources, output_gradients=list(upstream))
                 # Each weight's gradient as this rank's averaged slice, as soon as it exists.
-                sliced = [None if g is None else
-                          weight.reduce_scatter_gradient(tf.cast(g, weight.dtype))
-                          for weight, g in zip(self.weights, grads[count:count + len(again)])]
+                sliced = self._reduce_scattered(grads[count:count + len(again)])
                 return [*grads[:count], *sliced], list(grads[count + len(again):])
 
             return outputs, grad
@@ -295,6 +382,43 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"<Unit {self.name}: {len(self.weights)} weights, {self.state.value}>"
+
+
+def gather_bucket(weights: Sequence[Any], pieces: Sequence[tf.Tensor],
+                  name: str) -> list[tf.Tensor]:
+    """The whole values of `weights` (ShardedWeights) from every rank's `pieces` (this
+    rank's slice of each, in one dtype), in one collective named `tfdist_zero3_<name>`.
+
+    Each rank sends its slices side by side; the result holds rank 0's, then rank 1's:
+    one row per rank, each weight a block of columns, copied out into its own tensor.
+    """
+    if len(weights) == 1:
+        return [weights[0].whole_from(pieces[0], name)]
+    ranks = weights[0].slicing.ranks
+    widths = [weight.width for weight in weights]
+    gathered = weights[0].collectives.gather(tf.concat(list(pieces), 0),
+                                             name=f"tfdist_zero3_{name}")
+    rows = tf.split(tf.reshape(gathered, [ranks, sum(widths)]), widths, axis=1)
+    return [tf.reshape(tf.reshape(block, [-1])[:weight.size], weight.whole_shape)
+            for weight, block in zip(weights, rows)]
+
+
+def reduce_scatter_bucket(weights: Sequence[Any], grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """This rank's slice of each of `weights`' gradients `grads` (whole, dense or
+    `tf.IndexedSlices`), averaged across ranks, in one collective named after the first.
+
+    The reduce-scatter gives rank r its row: rank r's slice of every gradient, side by
+    side, which is cut into them (views of the row, no copy).
+    """
+    if len(weights) == 1:
+        return [weights[0].reduce_scatter_gradient(grads[0])]
+    ranks = weights[0].slicing.ranks
+    rows = [tf.reshape(tf.pad(tf.reshape(tf.convert_to_tensor(grad), [-1]),
+                              [[0, weight.slicing.padded - weight.size]]), [ranks, weight.width])
+            for weight, grad in zip(weights, grads)]
+    mine = weights[0].collectives.reduce_scatter(
+        tf.reshape(tf.concat(rows, 1), [-1]), name=f"tfdist_zero3_gradient_{weights[0].index}")
+    return tf.split(mine, [weight.width for weight in weights])
 
 
 def units_of(model: Any) -> list[Unit]:

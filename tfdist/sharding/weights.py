@@ -45,7 +45,7 @@ from tfdist.sharding import private
 from tfdist.sharding import hooks
 from tfdist.sharding.hooks import held, replace_storage
 from tfdist.sharding.layout import Slicing
-from tfdist.sharding.units import Unit
+from tfdist.sharding.units import Gathering, Unit
 
 
 class _StoredWeight:
@@ -66,6 +66,11 @@ class _StoredWeight:
         self._collectives = collectives
         self._index = index
         self.slicing = slicing  # How the weight and its gradient are cut across ranks.
+
+    @property
+    def collectives(self) -> ShardCollectives:
+        """The ranks' communicator its collectives go through."""
+        return self._collectives
 
     @property
     def index(self) -> int:
@@ -474,8 +479,8 @@ def whole_creation() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def sharded_creation(collectives: ShardCollectives, regather: bool = True,
-                     model: Any = None, prefetch: int = 0) -> Iterator[None]:
+def sharded_creation(collectives: ShardCollectives, gathering: Gathering = Gathering(),
+                     model: Any = None) -> Iterator[None]:
     """Trainable variables created inside are stored as this rank's slice (`ShardedWeight`).
 
     Every rank must create the same variables in the same order (as data-parallel ranks
@@ -485,13 +490,12 @@ def sharded_creation(collectives: ShardCollectives, regather: bool = True,
 
     Args:
         collectives: The ranks' communicator.
-        regather: Each layer creating weights becomes a unit of them
-            (`tfdist.sharding.units`): its call gathers them and drops them after, and
-            its backward pass gathers them again. False: each read of a weight gathers
-            it, and the gathered value lives until the backward pass has used it.
+        gathering: How the weights are gathered (`tfdist.sharding.units.Gathering`): by
+            default each layer creating weights becomes a unit of them, whose call
+            gathers them and drops them after, and whose backward pass gathers them
+            again; with `regather=False` each read of a weight gathers it, and the
+            gathered value lives until the backward pass has used it.
         model: The model being built inside, if any (one built on its first batch).
-        prefetch: With `regather`, how many unit calls ahead each unit's weights are
-            gathered (`tfdist.sharding.units`); 0: each waits for its own input.
 
     Each weight joins its layer's unit when the scope ends: Keras may create a layer's
     variables after its `build`, when the outermost layer being built is done (a model
@@ -526,7 +530,7 @@ def sharded_creation(collectives: ShardCollectives, regather: bool = True,
             # runner.scope()) makes the slice as it is, not a slice of it.
             storage = next_creator(**arguments)
         weight = ShardedWeight(storage, shape, collectives, index)
-        if regather:
+        if gathering.regather:
             layer = hooks.layer_creating_variables()
             created.append((weight, model if layer is None else layer))
         return weight
@@ -540,13 +544,13 @@ def sharded_creation(collectives: ShardCollectives, regather: bool = True,
             owners.update({id(held(variable)): layer for variable in weights})
     for weight, _ in created:
         if id(weight) in owners:  # else a variable no layer tracks: each read gathers it
-            _join_unit(owners[id(weight)], weight, prefetch)
+            _join_unit(owners[id(weight)], weight, gathering)
 
 
-def _join_unit(layer: Any, weight: ShardedWeight, prefetch: int) -> None:
+def _join_unit(layer: Any, weight: ShardedWeight, gathering: Gathering) -> None:
     """Makes `weight` one of the weights of `layer`'s unit (made and installed first)."""
     unit = _units.get(layer)
     if unit is None:
-        unit = _units[layer] = Unit(layer, prefetch)
+        unit = _units[layer] = Unit(layer, gathering)
         unit.install()
     unit.add(weight)
