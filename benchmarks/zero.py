@@ -5,8 +5,9 @@ with Adam under `horovod` on 2, 4 and 8 local ranks (mpirun), at zero_stage 0, 1
 zero_stage 3 with `zero.reshard_after_forward: false` ("3held": each layer's gathered
 weights live from its forward to its backward), at zero_stage 3 as it runs by default
 ("3": each layer's weights are gathered again in the backward pass, each gather waiting
-for the layer's own input or incoming gradient) and the same one layer ahead ("3p1":
-`zero.prefetch: 1`), each setting in fresh processes. Every rank reports
+for the layer's own input or incoming gradient), the same one layer ahead ("3p1":
+`zero.prefetch: 1`) and in buckets ("3b": `zero.bucket_mb: 16`, one collective per layer
+each way), each setting in fresh processes. Every rank reports
 its optimizer's variable bytes (`model.optimizer.variables`), the bytes of the weights it
 stores (at stage 3 its slices), its step times (the median after the warm-up steps), and
 its peak memory as TensorFlow's own allocator counts it
@@ -28,8 +29,9 @@ parameters on N ranks (DeepSpeed's accounting): stage 1 the optimizer's moments,
 16P(1 - 1/N). The figures are bytes saved over that ideal (target 0.8). A stage-3 rank
 that gathers again should hold its slices and a few layers' whole weights: at most
 16/N + 1.5 bytes per parameter at its peak. The settings of one rank count run back to
-back; each step time is divided by stage 0's of the same rank count, and prefetch's effect
-is the step time and peak of "3p1" over those of "3", on the same ranks.
+back; each step time is divided by stage 0's of the same rank count, and the effect of
+prefetch and of buckets is the step time and peak of "3p1" and "3b" over those of "3", on
+the same ranks.
 
 Then a projection to a 7 B-parameter model on 8 to 64 ranks, beside DeepSpeed's
 published formula (mixed-precision Adam: 16 bytes per parameter unsharded, 4 + 12/N at
@@ -47,7 +49,7 @@ gathered at once, the activations, the batch). The 7 B model is shaped as Llama 
 projection). DeepSpeed's formula counts the model states alone, not the parameters its
 stage 3 gathers at once (`stage3_max_live_parameters`, 10^9 by default) nor activations.
 
-    .venv/bin/python benchmarks/zero.py [--ranks 2 4 8] [--settings 0 1 2 3held 3 3p1] \
+    .venv/bin/python benchmarks/zero.py [--ranks 2 4 8] [--settings 0 1 2 3held 3 3p1 3b] \
         [--steps 8] \
         [--precision float32|mixed_bfloat16|mixed_float16]
 
