@@ -50,17 +50,20 @@ def make_model(*, hidden: int = 16, embedding: bool = False,
                with_input: bool = True) -> keras.Model:
     """An MLP (with `embedding`, an Embedding layer in front: sparse gradients).
 
-    The softmax is its own float32 layer, so the output is float32 under mixed precision.
-    Without `with_input`, the model has no `keras.Input`: its layers are built, and draw
-    their weights, on the first batch.
+    The softmax is its own float32 layer under a mixed policy, so the output is float32;
+    under float32 or float64 it computes in the policy's dtype. Without `with_input`, the
+    model has no `keras.Input`: its layers are built, and draw their weights, on the first
+    batch.
     """
+    mixed = keras.config.dtype_policy().name.startswith("mixed")
     first = [keras.Input((FEATURES,), dtype="int32" if embedding else "float32")] if (
         with_input) else []
     inputs = ([*first, keras.layers.Embedding(VOCABULARY, 8, name="table"),
                keras.layers.Flatten()] if embedding else first)
     return keras.Sequential([*inputs, keras.layers.Dense(hidden, activation="relu", name="hidden"),
                              keras.layers.Dense(CLASSES, name="out"),
-                             keras.layers.Activation("softmax", dtype="float32")])
+                             keras.layers.Activation("softmax",
+                                                     dtype="float32" if mixed else None)])
 
 
 def initial_weights(seed: int = 11, **model_options) -> list[np.ndarray]:

@@ -64,8 +64,30 @@ class Scaled(keras.Model):
         return self.out(self.hidden(inputs) * self.scale)
 
 
+class Block(keras.layers.Layer):
+    """A user's residual block of two Dense layers, its weights all its inner layers'."""
+
+    def __init__(self, width, rate=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(2 * width, activation="tanh")
+        self.dropout = keras.layers.Dropout(rate) if rate else None
+        self.down = keras.layers.Dense(width)
+
+    def call(self, inputs, training=False):
+        hidden = self.up(inputs)
+        if self.dropout is not None:
+            hidden = self.dropout(hidden, training=training)
+        return inputs + self.down(hidden)
+
+
 def make_model(kind):
     keras.utils.set_random_seed(3)
+    if kind == "blocks":  # Two blocks of two Dense layers each, then a Dense.
+        return keras.Sequential([keras.Input((8,)), Block(8, name="block_a"),
+                                 Block(8, name="block_b"), keras.layers.Dense(1)])
+    if kind == "blocks_dropout":
+        return keras.Sequential([keras.Input((8,)), Block(8, rate=0.2, name="block_a"),
+                                 keras.layers.Dense(1)])
     if kind == "sequential":  # Dropout and BatchNormalization between units.
         return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                                  keras.layers.Dropout(0.3), keras.layers.BatchNormalization(),
@@ -106,10 +128,11 @@ OPTIMIZERS = {"sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
               "adam": lambda: keras.optimizers.Adam(0.01)}
 
 
-def train(kind, optimizer, how, collectives=None, policy="float32", prefetch=0, bucket_bytes=0):
+def train(kind, optimizer, how, collectives=None, policy="float32", prefetch=0, bucket_bytes=0,
+          unit=()):
     """(final weights, model, collectives) of 2 epochs: "plain" Keras, or stage 3 "held"
     (each gathered weight kept to the backward) or "regathered" (units, gathered `prefetch`
-    calls ahead, in buckets of `bucket_bytes`)."""
+    calls ahead, in buckets of `bucket_bytes`, the layers named in `unit` each one unit)."""
     keras.backend.clear_session()
     keras.config.set_dtype_policy(policy)  # conftest restores the default after the test
     collectives = collectives or RecordedCollectives()
@@ -117,7 +140,7 @@ def train(kind, optimizer, how, collectives=None, policy="float32", prefetch=0, 
         model, made = make_model(kind), OPTIMIZERS[optimizer]()
     else:
         gathering = Gathering(regather=how == "regathered", prefetch=prefetch,
-                              bucket_bytes=bucket_bytes)
+                              bucket_bytes=bucket_bytes, unit=unit)
         with sharded_creation(collectives, gathering):
             model = make_model(kind)
         made = sharded_optimizer(OPTIMIZERS[optimizer](), collectives, 3)
@@ -435,3 +458,44 @@ def test_a_bucket_holds_the_weights_that_fit_and_a_larger_one_goes_alone():
     first = model.layers[0]
     assert step[f"tfdist_zero3_unit_forward_{held(first.kernel).index}"] == 1
     assert step[f"tfdist_zero3_unit_forward_{held(first.bias).index}"] == 1
+
+
+def test_a_named_layer_is_one_unit_of_every_weight_inside_it():
+    plain, _, _ = train("blocks", "adam", "plain")
+    each, _, _ = train("blocks", "adam", "regathered")
+    blocks, model, collectives = train("blocks", "adam", "regathered",
+                                       unit=("block_a", "block_b"))
+    units = units_of(model)
+    assert [(unit.name, len(unit.weights)) for unit in units] == [
+        ("block_a", 4), ("block_b", 4), ("dense_4", 2)]
+    # The same ops, recomputed a block at a time (the residual's two gradients summed in
+    # another order: float32's rounding, which Adam magnifies).
+    assert largest_difference(blocks, each) < 1e-6
+    assert largest_difference(blocks, plain) < 1e-6
+    step = step_collectives(collectives)
+    block = units[0]
+    for weight in block.weights:  # gathered for the block's call and its backward, once each
+        assert [step[f"tfdist_zero3_unit_forward_{weight.index}"],
+                step[f"tfdist_zero3_unit_backward_{weight.index}"],
+                step[f"tfdist_zero3_gradient_{weight.index}"]] == [1, 1, 1], weight
+    # Both of the block's inner layers' weights are gathered before either computes.
+    graph = step_graph(collectives)
+    assert [matmuls_before(graph, f"tfdist_zero3_unit_forward_{weight.index}")
+            for weight in block.weights] == [0, 0, 0, 0]
+
+
+def test_a_named_layer_in_one_bucket_is_one_collective_each_way():
+    _, model, collectives = train("blocks", "sgd_momentum", "regathered", bucket_bytes=1 << 20,
+                                  unit=("block_a", "block_b"))
+    step = step_collectives(collectives)
+    assert len(step) == 3 * 3  # 3 units: each a gather, a gather again, a reduce-scatter
+    assert all(count == 1 for count in step.values())
+
+
+def test_zero_unit_naming_no_layer_or_one_with_state_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="zero.unit names layers that create no weights "
+                                          "here: block_c;"):
+        train("blocks", "sgd_momentum", "regathered", unit=("block_a", "block_c"))
+    with pytest.raises(ConfigError, match="zero.unit names layer 'block_a', which updates "
+                                          "state of its own in its call .*seed"):
+        train("blocks_dropout", "sgd_momentum", "regathered", unit=("block_a",))

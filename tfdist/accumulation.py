@@ -24,12 +24,20 @@ import tensorflow as tf
 from tfdist.optimizers import WrappingOptimizer
 
 
+def accumulated_dtype(variable: Any) -> str:
+    """The dtype a variable's gradients add up in: float64 for a float64 variable (a sum in
+    float32 would round it), else float32 (a half-precision gradient's sum would overflow
+    or round away, and a mixed policy's variables are float32 anyway)."""
+    return "float64" if tf.as_dtype(variable.dtype) == tf.float64 else "float32"
+
+
 class GradientAccumulator:
     """The accumulators and the cycle of gradient accumulation, for the optimizer that owns them.
 
-    Each replica adds its micro-batch gradients to its own float32 accumulators
-    (TensorFlow `ON_READ` variables: no communication when written). At the end of
-    every `steps` micro-batches, `apply_fn` receives their mean (or sum) once, and
+    Each replica adds its micro-batch gradients to its own float32 accumulators (float64
+    for a float64 variable; TensorFlow `ON_READ` variables: no communication when
+    written). At the end of every `steps` micro-batches, `apply_fn` receives their mean
+    (or sum) once, and
     whatever reduction it does runs once per cycle, as DDP's `no_sync` does. Used by
     `AccumulatingOptimizer` and by `tfdist.horovod.keras.DistributedOptimizer`
     (`backward_passes_per_step`).
@@ -70,7 +78,7 @@ class GradientAccumulator:
         """
         shape_of = gradient_shape or (lambda variable: variable.shape)
         self.accumulators = [
-            make_variable(shape_of(variable), "float32", "sum",
+            make_variable(shape_of(variable), accumulated_dtype(variable), "sum",
                           f"{getattr(variable, 'path', variable.name)}_accumulated"
                           .replace("/", "_").replace(":", "_"))
             for variable in var_list]
@@ -91,7 +99,7 @@ class GradientAccumulator:
         """
         for accumulator, grad in zip(self.accumulators, grads):
             if grad is not None:
-                accumulator.assign_add(tf.cast(tf.convert_to_tensor(grad), tf.float32))
+                accumulator.assign_add(tf.cast(tf.convert_to_tensor(grad), accumulator.dtype))
         self.micro_batches.assign_add(1)
         self._end_cycle_if_complete(apply_fn)
 
@@ -147,7 +155,7 @@ class GradientAccumulator:
 class AccumulatingOptimizer(WrappingOptimizer):
     """Sums `steps` micro-batches' gradients locally, then applies their mean once.
 
-    Each replica adds its gradients to its own float32 accumulators (a
+    Each replica adds its gradients to its own float32 (or float64) accumulators (a
     `GradientAccumulator`). After `steps` calls, the inner optimizer applies the
     accumulated mean, and its own gradient reduction (tf.distribute's all-reduce,
     or a `GradientReducingOptimizer` inside) runs once for the `steps`

@@ -239,6 +239,13 @@ class ZeroConfig:
              "collectives, each waiting for the one before it, for a copy of the bucket "
              "when it is cut back into its weights. 0: one collective per weight.",
         bound=_at_least(0, "a number >= 0 (MiB per bucket; 0: one collective per weight)"))
+    unit: tuple[str, ...] = _field(
+        (), "With zero.reshard_after_forward, names of layers (a transformer block, say) "
+            "that are each one unit of every weight inside them: gathered whole for the "
+            "layer's call, dropped after it and gathered again for its backward pass, which "
+            "recomputes the whole layer. Each named layer holds its whole weights at once; "
+            "one whose call updates state (Dropout's seed, BatchNormalization's statistics) "
+            "is refused. Empty: each layer that creates weights is a unit of its own.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Sharded training state (zero_stage 1, 2 and 3) under Keras 3 model.fit, with real ranks.
 
 Every rank's weights equal one device's exact update on the same global batches
-(1e-5), on 2 and on 3 ranks; each rank holds its share of the optimizer state (and at
-stage 3 of the weights); a SIGKILL and a resume equal the uninterrupted run; a
-checkpoint of 2 ranks resumes on 3 and one of 3 on 2; `model.save` writes the whole
-state, which plain Keras loads.
+(1e-5; in float64, 1e-15 with SGD and 1e-9 with Adam), on 2 and on 3 ranks; each rank
+holds its share of the optimizer state (and at stage 3 of the weights); a SIGKILL and a
+resume equal the uninterrupted run; a checkpoint of 2 ranks resumes on 3 and one of 3 on
+2; `model.save` writes the whole state, which plain Keras loads.
 
 Three launches make every run: each trains its variants in turn (`--variants`), since
 starting TensorFlow and Horovod costs a launch more than one of these small runs does.
@@ -88,6 +88,30 @@ EQUIVALENT.update({
                                       "--prefetch=1"], "adam_clip"),
     "s3_subclassed_bucket_sgd": (["--stage=3", f"--optimizer={SGD}", "--model=subclassed",
                                   "--bucket_mb=1"], SGD, "subclassed")})
+# The subclassed model named as one unit of all its weights (zero.unit): gathered whole for
+# its call and again for its backward pass, which recomputes it whole.
+EQUIVALENT.update({
+    "s3_subclassed_unit_sgd": (["--stage=3", f"--optimizer={SGD}", "--model=subclassed",
+                                "--unit=classifier"], SGD, "subclassed"),
+    "s3_subclassed_unit_bucket_adam_clip": (["--stage=3", "--optimizer=adam_clip",
+                                             "--model=subclassed", "--unit=classifier",
+                                             "--bucket_mb=1"], "adam_clip", "subclassed")})
+# In float64, past float32's rounding (Adam magnifies it): stage 3 gathering again, one
+# layer ahead in buckets, and accumulating; stage 2 beside it.
+FLOAT64 = {"s3_f64_adam_clip": (["--stage=3", "--optimizer=adam_clip", "--float64"],
+                                "adam_clip"),
+           "s3_f64_prefetch_bucket_adam_clip": (["--stage=3", "--optimizer=adam_clip",
+                                                 "--prefetch=1", "--bucket_mb=1", "--float64"],
+                                                "adam_clip"),
+           "s3_f64_accumulate_adam_clip": (["--stage=3", "--optimizer=adam_clip",
+                                            "--accumulation=2", "--float64"], "adam_clip"),
+           "s3_f64_sgd": (["--stage=3", f"--optimizer={SGD}", "--float64"], SGD),
+           "s2_f64_adam_clip": (["--stage=2", "--optimizer=adam_clip", "--float64"],
+                                "adam_clip")}
+# SGD follows float64's rounding (measured 9e-17); Adam with clipping magnifies it (measured
+# 6.0e-11, the same at both stages, on 2 and 3 ranks, and in every variant: float32 puts
+# these runs 1e-7 apart).
+FLOAT64_TOLERANCE = {SGD: 1e-15, "adam_clip": 1e-9}
 # Dropout, BatchNormalization and a layer that drops inside its own call, at stage 3
 # gathering again and holding: the same run, since the recompute must replay the forward.
 RECOMPUTE = {f"s3_dropout_bn{suffix}": (["--stage=3", "--optimizer=adam_clip",
@@ -193,7 +217,7 @@ def two(tmp_path_factory):
     saving.update({f"s2_accumulate_to_3{suffix}": (
         [*checkpointed(out, f"s2_accumulate_to_3{suffix}", 2, optimizer)[0], "--accumulation=2"],)
         for suffix, optimizer in OPTIMIZERS.items()})
-    killed = launch(out, {**EQUIVALENT, **ONLY_ON_2, **FP16_RUNS, **RECOMPUTE, **saving,
+    killed = launch(out, {**EQUIVALENT, **ONLY_ON_2, **FP16_RUNS, **RECOMPUTE, **FLOAT64, **saving,
                           "s2_save": (["--stage=2", "--optimizer=adam_clip", "--save_model"],),
                           "s3_save": (["--stage=3", "--optimizer=adam_clip", "--save_model"],),
                           "killed": (killed_run(out)[0],)}, 2, expect_success=False)
@@ -218,7 +242,7 @@ def three(two, killed_s3_accumulate, tmp_path_factory):
     # The 2-rank stage-3 checkpoint taken in the middle of an accumulation cycle.
     resumes["s3_accumulate_from_2"] = resuming(killed_s3_accumulate / "for_3_ranks", 3, SGD,
                                                "--accumulation=2")
-    launch(out, {**EQUIVALENT, **ONLY_ON_3, **FP16_RUNS, **resumes,
+    launch(out, {**EQUIVALENT, **ONLY_ON_3, **FP16_RUNS, **FLOAT64, **resumes,
                  **{f"to_2{suffix}": checkpointed(out, f"to_2{suffix}", 1, optimizer)
                     for suffix, optimizer in OPTIMIZERS.items()}}, 3)
     return out
@@ -264,9 +288,11 @@ _references = {}
 _evaluated = {}  # One device's evaluate loss after training, by the same key.
 
 
-def one_device(optimizer, model="embedding", epochs=2, precision="float32", inf_at_step=None):
-    """Plain one-device training with the exact update, on the same global batches."""
-    key = (optimizer, model, epochs, precision, inf_at_step)
+def one_device(optimizer, model="embedding", epochs=2, precision="float32", inf_at_step=None,
+               float64=False):
+    """Plain one-device training with the exact update, on the same global batches (in
+    float64 with `float64`)."""
+    key = (optimizer, model, epochs, precision, inf_at_step, float64)
     if key not in _references:
         import tensorflow as tf
 
@@ -274,6 +300,9 @@ def one_device(optimizer, model="embedding", epochs=2, precision="float32", inf_
         runner = tfdist.Runner(tfdist.load_config(overrides={"strategy": "one_device",
                                                              "precision": precision}))
         with runner.scope():
+            if float64:  # the layers' policy, and floatx, which Keras's losses compute in
+                keras.config.set_dtype_policy("float64")
+                keras.config.set_floatx("float64")
             if model == "deferred":  # Built in fit, from rank 0's seed.
                 keras.utils.set_random_seed(job.DEFERRED_SEED)
             made = job.make_model(model)
@@ -283,6 +312,7 @@ def one_device(optimizer, model="embedding", epochs=2, precision="float32", inf_
                          "sparse_categorical_crossentropy")
         data = tf.data.Dataset.from_tensor_slices(job.examples(model, 6, inf_at_step))
         made.fit(runner.dataset(data, job.GLOBAL_BATCH), epochs=epochs, verbose=0)
+        keras.config.set_floatx("float32")
         _references[key] = (made.get_weights(),
                             [v.numpy() for v in made.optimizer.variables])
         # As the ranks evaluate (a tf.data pipeline: `evaluate` on NumPy arrays, after fits
@@ -312,6 +342,20 @@ def test_two_ranks_equal_one_device(two, name):
     assert [reports[r]["iterations"] for r in (0, 1)] == [12, 12]
 
 
+@pytest.mark.parametrize("name", sorted(FLOAT64))
+def test_in_float64_two_and_three_ranks_equal_one_device_past_float32_rounding(two, three, name):
+    _, optimizer = FLOAT64[name]
+    expected, _ = one_device(optimizer, float64=True)
+    assert expected[0].dtype == np.float64
+    for out, ranks in ((two, 2), (three, 3)):
+        _, weights = ranks_of(out / name, ranks)
+        for rank in range(ranks):
+            assert weights[rank][0].dtype == np.float64
+            difference = largest_difference(weights[rank], expected)
+            print(name, ranks, rank, difference)
+            assert difference < FLOAT64_TOLERANCE[optimizer], (name, ranks, rank, difference)
+
+
 @pytest.mark.parametrize("model", ["two_inputs", "subclassed", "deferred"])
 def test_stage_3_gathers_each_layer_of_users_models_again(two, three, model):
     # Equal to one device above; and through each layer's unit, not a read held to the
@@ -320,6 +364,14 @@ def test_stage_3_gathers_each_layer_of_users_models_again(two, three, model):
     for out, ranks in ((two, 2), (three, 3)):
         reports, _ = ranks_of(out / f"s3_{model}", ranks)
         assert [len(reports[r]["units"]) for r in range(ranks)] == [expected] * ranks, reports
+
+
+def test_a_layer_named_in_zero_unit_is_one_unit_of_every_weight_inside_it(two, three):
+    # Equal to one device above; and the model is one unit of its 6 weights on every rank.
+    for out, ranks in ((two, 2), (three, 3)):
+        for name in ("s3_subclassed_unit_sgd", "s3_subclassed_unit_bucket_adam_clip"):
+            reports, _ = ranks_of(out / name, ranks)
+            assert [reports[r]["units"] for r in range(ranks)] == [["classifier"]] * ranks
 
 
 def test_the_recompute_replays_dropout_and_batch_normalization(two):

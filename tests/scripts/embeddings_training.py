@@ -105,6 +105,9 @@ def parse(argv):
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--held", action="store_true",
                         help="zero.reshard_after_forward false (stage 3)")
+    parser.add_argument("--prefetch", type=int, default=0, help="zero.prefetch (stage 3)")
+    parser.add_argument("--bucket_mb", type=float, default=0.0, help="zero.bucket_mb (stage 3)")
+    parser.add_argument("--precision", default="float32")
     parser.add_argument("--variants", help="JSON: {name: [args, ...]}, trained in turn")
     return parser.parse_args(argv)
 
@@ -114,6 +117,8 @@ def run(args):
     extra = {"mirrored.cpu_replicas": 2} if args.strategy == "mirrored" else {}
     if args.held:
         extra["zero.reshard_after_forward"] = False
+    extra.update({"zero.prefetch": args.prefetch, "zero.bucket_mb": args.bucket_mb,
+                  "precision": args.precision})
     model = train(args.strategy, args.model, args.stage, args.accumulation, extra)
     if args.strategy == "horovod":
         import horovod.tensorflow as hvd

@@ -160,6 +160,12 @@ def parse(argv):
                              "backward pass")
     parser.add_argument("--prefetch", type=int, default=0, help="zero.prefetch (stage 3)")
     parser.add_argument("--bucket_mb", type=float, default=0.0, help="zero.bucket_mb (stage 3)")
+    parser.add_argument("--unit", default="",
+                        help="zero.unit (stage 3): layer names, comma-separated")
+    parser.add_argument("--float64", action="store_true",
+                        help="the model's weights and compute in float64 (Keras's global "
+                             "dtype policy while it is built): a comparison past float32's "
+                             "rounding")
     parser.add_argument("--variants", help="JSON: {name: [args, ...]}, trained in turn")
     return parser.parse_args(argv)
 
@@ -175,11 +181,17 @@ def train(args):
         "strategy": "horovod", "precision": args.precision, "zero_stage": args.stage,
         "accumulation_steps": args.accumulation,
         "zero.reshard_after_forward": not args.held, "zero.prefetch": args.prefetch,
-        "zero.bucket_mb": args.bucket_mb}))
+        "zero.bucket_mb": args.bucket_mb,
+        "zero.unit": [name for name in args.unit.split(",") if name]}))
     import horovod.tensorflow as hvd
 
     rank, ranks = hvd.rank(), hvd.size()
     with runner.scope():
+        if args.float64:
+            # The layers' policy (the scope restores the precision's after it), and floatx:
+            # Keras's losses compute in floatx, whatever the policy.
+            keras.config.set_dtype_policy("float64")
+            keras.config.set_floatx("float64")
         if args.model == "deferred":
             # Its weights are drawn in fit, from a seed of each rank's own (Keras draws
             # each initializer's seed as the layer is made): only the broadcast of rank
@@ -204,6 +216,7 @@ def train(args):
     if args.kill_at_step and rank == 1:
         callbacks.append(reference.KillAt(args.kill_at_step))
     model.fit(data, epochs=args.epochs, callbacks=callbacks, verbose=0)
+    keras.config.set_floatx("float32")  # for the variants after this one
     evaluated = None
     if args.stage == 3:
         # Every rank evaluates the whole training set, each step gathering the weights.

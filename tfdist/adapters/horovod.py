@@ -264,7 +264,8 @@ class HorovodAdapter(Adapter):
         """How zero_stage 3 gathers the weights: the config's `zero:` section."""
         zero = self.config.zero
         return sharding.Gathering(regather=zero.reshard_after_forward, prefetch=zero.prefetch,
-                                  bucket_bytes=int(zero.bucket_mb * (1 << 20)))
+                                  bucket_bytes=int(zero.bucket_mb * (1 << 20)),
+                                  unit=tuple(zero.unit))
 
     @functools.cached_property
     def _shard_collectives(self) -> ShardCollectives:

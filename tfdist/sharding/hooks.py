@@ -92,23 +92,33 @@ def wrap_call(layer: Any, wrapper: Callable[..., Any]) -> Callable[[], None]:
     return undo
 
 
-def layer_creating_variables() -> Any:
-    """The Keras layer whose `add_weight` (or `build`) is running now, or None.
+def layers_creating_variables() -> list[Any]:
+    """The Keras layers whose `add_weight`, `build` or call is running now, outermost
+    first; the last one owns a variable created now. Empty where none is, or where the
+    innermost owner is another object (an optimizer, whose variables belong to no layer).
 
-    Keras enters `keras.name_scope(layer.name, caller=layer)` around both; the innermost
-    scope's caller is the layer that owns a variable created now.
+    Keras enters `keras.name_scope(layer.name, caller=layer)` around a layer's build and
+    call; the scopes' callers are the layers being built or called, one inside the other.
+
+    Example:
+
+        layers_creating_variables()   # [<Block>, <Dense>] inside a Block's Dense's build
     """
     import keras
     from keras.src.backend.common import global_state
 
     stack = global_state.get_global_attribute("name_scope_stack") or []
-    for scope in reversed(stack):
-        caller = getattr(scope, "caller", None)
-        if caller is not None:
-            # The innermost owner: a layer, or another object (an optimizer) whose
-            # variables belong to no layer.
-            return caller if isinstance(caller, keras.layers.Layer) else None
-    return None
+    callers = [scope.caller for scope in stack if getattr(scope, "caller", None) is not None]
+    if not callers or not isinstance(callers[-1], keras.layers.Layer):
+        return []
+    return [caller for caller in callers if isinstance(caller, keras.layers.Layer)]
+
+
+def layer_creating_variables() -> Any:
+    """The Keras layer whose `add_weight` (or `build`) is running now, or None: the last of
+    `layers_creating_variables()`."""
+    layers = layers_creating_variables()
+    return layers[-1] if layers else None
 
 
 def own_weights(root: Any) -> Iterator[tuple[Any, list[Any]]]:
@@ -120,8 +130,13 @@ def own_weights(root: Any) -> Iterator[tuple[Any, list[Any]]]:
         for layer, weights in own_weights(model):
             print(layer.name, [w.path for w in weights])
     """
-    for layer in root._flatten_layers(include_self=True, recursive=True):
+    for layer in layers_under(root):
         yield layer, list(layer._trainable_variables)
+
+
+def layers_under(root: Any) -> list[Any]:
+    """`root` (a layer or model) and every layer inside it, depth first."""
+    return list(root._flatten_layers(include_self=True, recursive=True))
 
 
 def autocast_dtype(layer: Any) -> Any:

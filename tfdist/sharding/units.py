@@ -88,6 +88,11 @@ class Gathering:
         bucket_bytes: With `regather`, a unit's weights go in one collective each way
             while their float32 bytes together stay within this many (a larger weight
             goes alone); 0: one collective per weight.
+        unit: With `regather`, names of layers that are each one unit of every weight
+            inside them (their own and their inner layers'), gathered for the layer's
+            call as a whole (FSDP's `fully_shard` of a block); the layers outside them
+            stay units of their own weights. Empty: each layer that creates weights is a
+            unit of them.
 
     Example:
 
@@ -98,6 +103,7 @@ class Gathering:
     regather: bool = True
     prefetch: int = 0
     bucket_bytes: int = 0
+    unit: tuple[str, ...] = ()
 
 
 def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:

@@ -531,20 +531,55 @@ def sharded_creation(collectives: ShardCollectives, gathering: Gathering = Gathe
             storage = next_creator(**arguments)
         weight = ShardedWeight(storage, shape, collectives, index)
         if gathering.regather:
-            layer = hooks.layer_creating_variables()
+            layers = hooks.layers_creating_variables()
+            # The outermost layer named a unit (zero.unit) being built or called, else the
+            # layer creating the variable.
+            named = [layer for layer in layers if layer.name in gathering.unit]
+            layer = named[0] if named else (layers[-1] if layers else None)
             created.append((weight, model if layer is None else layer))
         return weight
 
     created: list[tuple[ShardedWeight, Any]] = []
     with tf.variable_creator_scope(creator):
         yield
-    owners: dict[int, Any] = {}
-    for searched in {id(layer): layer for _, layer in created if layer is not None}.values():
-        for layer, weights in hooks.own_weights(searched):
-            owners.update({id(held(variable)): layer for variable in weights})
+    owners = _unit_owners([layer for _, layer in created if layer is not None], gathering.unit)
     for weight, _ in created:
         if id(weight) in owners:  # else a variable no layer tracks: each read gathers it
             _join_unit(owners[id(weight)], weight, gathering)
+
+
+def _unit_owners(searched: Sequence[Any], names: Sequence[str]) -> dict[int, Any]:
+    """The layer whose unit each weight (by id) created in `searched` layers joins: the
+    outermost layer named in `names` that holds it, else the layer that created it.
+
+    Raises:
+        ConfigError: a name matches none of the layers, or a named layer updates state of
+            its own in its call (its recompute would update it twice).
+    """
+    owners: dict[int, Any] = {}
+    named: dict[int, Any] = {}
+    for root in {id(layer): layer for layer in searched}.values():
+        for layer in hooks.layers_under(root):
+            owners.update({id(held(variable)): layer for variable in layer._trainable_variables})
+            if layer.name in names:
+                named[id(layer)] = layer
+    if not owners or not names:
+        return owners
+    missing = sorted(set(names) - {layer.name for layer in named.values()})
+    if missing:
+        raise ConfigError(f"zero.unit names layers that create no weights here: "
+                          f"{', '.join(missing)}; name layers whose build or call creates "
+                          f"weights under runner.scope() (model.summary() lists their names)")
+    # An outer named layer holds every weight of a named one inside it: it goes last.
+    for layer in sorted(named.values(), key=lambda layer: len(layer.trainable_variables)):
+        if layer.non_trainable_variables:
+            raise ConfigError(
+                f"zero.unit names layer {layer.name!r}, which updates state of its own in its "
+                f"call ({', '.join(v.path for v in layer.non_trainable_variables[:3])}): "
+                f"the recompute of a unit would update it twice; name the layers inside it "
+                f"that hold none, or leave zero.unit empty")
+        owners.update({id(held(variable)): layer for variable in layer.trainable_variables})
+    return owners
 
 
 def _join_unit(layer: Any, weight: ShardedWeight, gathering: Gathering) -> None:
