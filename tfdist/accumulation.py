@@ -37,8 +37,8 @@ class GradientAccumulator:
     Each replica adds its micro-batch gradients to its own float32 accumulators (float64
     for a float64 variable; TensorFlow `ON_READ` variables: no communication when
     written). At the end of every `steps` micro-batches, `apply_fn` receives their mean
-    (or sum) once, and
-    whatever reduction it does runs once per cycle, as DDP's `no_sync` does. Used by
+    (or sum) once, and whatever reduction it does runs once per cycle, as DDP's
+    `no_sync` does. Used by
     `AccumulatingOptimizer` and by `tfdist.horovod.keras.DistributedOptimizer`
     (`backward_passes_per_step`).
 

@@ -46,13 +46,11 @@ THREE_RANK_VARIANTS = {f"{kind}_{name}": [f"--model={kind}", *args]
                        for name, args in HOROVOD_VARIANTS.items() if name.startswith("s3")}
 
 
-# keras-hub's models at stage 3 under mixed_bfloat16: each layer's weights gathered in
-# bfloat16, against one device under the same policy.
-BF16_VARIANTS = {f"{kind}_s3_bf16": [f"--model={kind}", "--stage=3",
-                                     "--precision=mixed_bfloat16"] for kind in ("bert", "gpt2")}
-# bfloat16 keeps 8 bits of mantissa; and oneDNN fuses plain Keras's cast of each weight into
-# its bfloat16 matmul, which rounds otherwise (docs/guide/zero.md, half-precision gathers).
-BF16_TOLERANCE = 1e-2
+# keras-hub's models under mixed_bfloat16, at stage 0 and at stage 3 (each layer's weights
+# gathered in bfloat16), on the same ranks.
+BF16_VARIANTS = {f"{kind}_s{stage}_bf16": [f"--model={kind}", f"--stage={stage}",
+                                           "--precision=mixed_bfloat16"]
+                 for kind in ("bert", "gpt2") for stage in (0, 3)}
 
 
 def weights_of(folder, rank):
@@ -140,9 +138,22 @@ def test_keras_hub_models_at_stage_3_on_3_ranks_equal_one_device(three_rank_runs
 
 @pytest.mark.requires_mpi
 @pytest.mark.requires_horovod
-@pytest.mark.parametrize("variant", sorted(BF16_VARIANTS))
-def test_keras_hub_models_gathered_in_bfloat16_at_stage_3_equal_one_device(bf16_runs, variant):
-    check(bf16_runs / variant, variant.split("_")[0], 2, "mixed_bfloat16", BF16_TOLERANCE)
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_keras_hub_models_gathered_in_bfloat16_at_stage_3_train_as_stage_0(bf16_runs, kind):
+    # Adam turns bfloat16's rounding into steps of its learning rate (0.01) on a few
+    # elements, so under mixed_bfloat16 stage 0 itself ends up to 1.6e-2 from one device
+    # (mean 1.6e-4 for BERT, 2.3e-4 for GPT-2). Stage 3 rounds each weight to bfloat16
+    # before its gather, where oneDNN fuses plain Keras's cast into its matmul: measured
+    # mean 3.2e-4 and 5.1e-4 from one device, max 2.3e-2. A gather that mixed up the
+    # ranks' slices would move the weights by their own size (mean 3e-2).
+    expected = one_device(kind, "mixed_bfloat16")
+    for stage in (0, 3):
+        for rank in (0, 1):
+            weights = weights_of(bf16_runs / f"{kind}_s{stage}_bf16", rank)
+            differences = np.concatenate([np.abs(a - b).ravel()
+                                          for a, b in zip(weights, expected)])
+            assert differences.mean() < 2e-3 and differences.max() < 5e-2, (
+                kind, stage, rank, differences.mean(), differences.max())
 
 
 @pytest.mark.parametrize("kind", ["pair", "bert"])

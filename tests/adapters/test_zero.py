@@ -391,7 +391,7 @@ def test_the_recompute_replays_dropout_and_batch_normalization(two):
 
 def test_evaluate_after_a_stage_3_fit_equals_one_device_on_every_rank(two, three):
     one_device("adam_clip")
-    expected = _evaluated[("adam_clip", "embedding", 2, "float32", None)]
+    expected = _evaluated[("adam_clip", "embedding", 2, "float32", None, False)]
     for out, ranks in ((two, 2), (three, 3)):
         reports, _ = ranks_of(out / "s3_adam_clip", ranks)
         losses = [reports[r]["evaluate_loss"] for r in range(ranks)]
