@@ -61,8 +61,8 @@ MUTANTS = [
     Mutant("zero3_units_never_regather",
            "stage 3: no layer's call gathers and drops its weights (each gathered weight "
            "held to the backward: the whole model at the peak)", "tfdist/sharding/units.py",
-           "or self.state is UnitState.GATHERED or layer.non_trainable_variables):",
-           "or self.state is UnitState.GATHERED or layer.trainable_variables):",
+           "or self.state is UnitState.GATHERED or not self.recomputed):",
+           "or self.state is UnitState.GATHERED or bool(layer.trainable_variables)):",
            ("tests/test_units.py", "-k", "gathered_twice")),
     Mutant("zero3_recompute_outside_keras_call_state",
            "stage 3: the backward's recompute of a layer reads its weights in float32 "
@@ -80,8 +80,10 @@ MUTANTS = [
            "stage 3: a weight Keras creates after its layer's build (a subclassed model "
            "built by a call) joins the outer layer's unit, or none",
            "tfdist/sharding/weights.py",
-           "        for layer, weights in hooks.own_weights(searched):",
-           "        for layer, weights in [(searched, searched.trainable_variables)]:",
+           "            owners.update({id(held(variable)): layer for variable in "
+           "layer._trainable_variables})",
+           "            owners.update({id(held(variable)): root for variable in "
+           "root.trainable_variables})",
            ("tests/test_units.py", "-k", "first_batch")),
     Mutant("horovod_batch_check_removed", "horovod trains a batch that does not divide",
            "tfdist/adapters/horovod.py",
