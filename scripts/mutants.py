@@ -80,8 +80,7 @@ MUTANTS = [
            "stage 3: a weight Keras creates after its layer's build (a subclassed model "
            "built by a call) joins the outer layer's unit, or none",
            "tfdist/sharding/weights.py",
-           "            owners.update({id(held(variable)): layer for variable in "
-           "layer._trainable_variables})",
+           "            owners.update({id(held(variable)): layer for variable in weights})",
            "            owners.update({id(held(variable)): root for variable in "
            "root.trainable_variables})",
            ("tests/test_units.py", "-k", "first_batch")),

@@ -559,8 +559,8 @@ def _unit_owners(searched: Sequence[Any], names: Sequence[str]) -> dict[int, Any
     owners: dict[int, Any] = {}
     named: dict[int, Any] = {}
     for root in {id(layer): layer for layer in searched}.values():
-        for layer in hooks.layers_under(root):
-            owners.update({id(held(variable)): layer for variable in layer._trainable_variables})
+        for layer, weights in hooks.own_weights(root):
+            owners.update({id(held(variable)): layer for variable in weights})
             if layer.name in names:
                 named[id(layer)] = layer
     if not owners or not names:
