@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
+from tfdist.files import atomic_write_text  # noqa: E402
 from tfdist.memory import PeakMemory  # noqa: E402
 
 WIDTH = 800  # 40 Dense(800) layers: 25.6 M parameters, the largest layer 1/40 of them.
@@ -113,8 +114,9 @@ def main():
         weights = None
     if weights is not None:
         np.savez(os.path.join(args.out, f"rank{rank}.npz"), *weights)
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as file:
-        json.dump(report, file)
+    # Atomic: mpirun ends a rank's peers as soon as one leaves, possibly mid-write, and the
+    # test must read a whole report or none.
+    atomic_write_text(os.path.join(args.out, f"rank{rank}.json"), json.dumps(report))
     if weights is None:
         # An out-of-memory rank's peers may wait in a collective it never joins: leave at
         # once (mpirun then ends the others).
