@@ -87,7 +87,7 @@ MUTANTS = [
     Mutant("zero3_update_before_every_gradient",
            "stage 3: a slice's update waits for its own gradient alone, so a recompute's "
            "read of a nested unit's slice may run after that slice's update",
-           "tfdist/sharding/optimizer.py", "            mine = after_every_gradient(mine)",
+           "tfdist/sharding/optimizer.py", "            mine = after_every_gradient(mine, again)",
            "            mine = list(mine)",
            ("tests/test_units.py", "-k", "every_read")),
     Mutant("horovod_batch_check_removed", "horovod trains a batch that does not divide",

@@ -491,6 +491,10 @@ def reads_and_updates(graph):
 def test_every_read_of_a_weight_runs_before_its_update_as_tensorflow_optimises_the_step(
         kind, optimizer, options):
     _, model, collectives = train(kind, optimizer, "regathered", **options)
+    # The weights whose update waits for every gradient: the nested units' alone.
+    assert {v.path for v in model.trainable_variables if held(v).read_in_backward} == (
+        {v.path for v in model.hidden.weights + model.out.weights}
+        if kind == "subclassed" else set())
     pairs = reads_and_updates(step_graph(collectives))
     # Every trained slice is read and updated in the step.
     assert len({update for _, update in pairs}) >= len(model.trainable_variables)

@@ -136,6 +136,12 @@ class _Tracing(threading.local):
 _tracing = _Tracing()
 
 
+def inside_a_unit() -> bool:
+    """Whether a unit's body (its forward call, or its backward pass's recompute) is being
+    traced now: a slice read here is read again in the backward pass, by the recompute."""
+    return _tracing.depth > 0
+
+
 @dataclasses.dataclass(eq=False)
 class _Call:
     """One outermost call of a unit in a traced forward pass: what its backward pass, or
@@ -309,8 +315,12 @@ class Unit:
         # it (FSDP's `param_dtype`), the whole copies take half the bytes of float32. The
         # slices, the optimizer state and the reduce-scatter of each gradient stay float32.
         gather_dtype = hooks.autocast_dtype(layer)
-        # A nested call (inside another unit's call or recompute) gathers for itself alone.
+        # A nested call (inside another unit's call or recompute) gathers for itself alone,
+        # and reads its slices again in the outer unit's recompute (`read_in_backward`).
         ahead = self.prefetch if _tracing.depth == 0 else 0
+        if inside_a_unit():
+            for weight in self.weights:
+                weight.read_in_backward = True
 
         @tf.custom_gradient
         def unit_call(*tensors: tf.Tensor) -> Any:

@@ -45,7 +45,7 @@ from tfdist.sharding import private
 from tfdist.sharding import hooks
 from tfdist.sharding.hooks import held, replace_storage
 from tfdist.sharding.layout import Slicing
-from tfdist.sharding.units import Gathering, Unit
+from tfdist.sharding.units import Gathering, Unit, inside_a_unit
 
 
 class _StoredWeight:
@@ -278,6 +278,10 @@ class ShardedWeight(_StoredWeight):
         # The layer's unit (`tfdist.sharding.units`) that gathers this weight for its
         # calls; None: each read gathers.
         self.unit: Any = None
+        # Whether a unit's recompute reads this weight's slice again in the backward pass
+        # (a nested unit's weight, or one read by another layer inside a unit): its update
+        # then waits for every gradient (`tfdist.sharding.optimizer.after_every_gradient`).
+        self.read_in_backward = False
 
     @property
     def shape(self) -> tf.TensorShape:
@@ -294,6 +298,8 @@ class ShardedWeight(_StoredWeight):
             value = self.unit.value_of(self)
             if value is not None:
                 return value
+        if inside_a_unit():
+            self.read_in_backward = True
         return self._gathered()
 
     def whole_from(self, piece: tf.Tensor, name: str) -> tf.Tensor:
