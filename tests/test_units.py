@@ -1,7 +1,8 @@
 """Stage 3's units in one process, on a one-rank communicator: which layers are units,
 that gathering again in the backward pass trains exactly as holding the gathered weights
 and as plain Keras, on the model shapes users write, how often each weight is gathered,
-and what a unit refuses.
+that every read of a weight's slice stays ordered with its update in the step as
+TensorFlow optimises it, and what a unit refuses.
 
 The ranks' training with units (the default at stage 3) is in
 `tests/adapters/test_zero.py` and `test_two_embeddings.py`; a model larger than one
