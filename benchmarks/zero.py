@@ -32,8 +32,7 @@ that gathers again should hold its slices and a few layers' whole weights: at mo
 back; each step time is divided by stage 0's of the same rank count (on the first rank
 count, stages 0 and 3 run `--rounds` times, each round after the first a pair back to
 back, and their ratio is the median of the rounds'), and the effect of prefetch and of
-buckets is the
-step time and peak of "3p1" and "3b" over those of "3", on the same ranks.
+buckets is the step time and peak of "3p1" and "3b" over those of "3", on the same ranks.
 
 Then a projection to a 7 B-parameter model on 8 to 64 ranks, beside DeepSpeed's
 published formula (mixed-precision Adam: 16 bytes per parameter unsharded, 4 + 12/N at
