@@ -317,8 +317,9 @@ class Unit:
         gather_dtype = hooks.autocast_dtype(layer)
         # A nested call (inside another unit's call or recompute) gathers for itself alone,
         # and reads its slices again in the outer unit's recompute (`read_in_backward`).
-        ahead = self.prefetch if _tracing.depth == 0 else 0
-        if inside_a_unit():
+        nested = inside_a_unit()
+        ahead = 0 if nested else self.prefetch
+        if nested:
             for weight in self.weights:
                 weight.read_in_backward = True
 
